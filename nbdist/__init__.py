@@ -1,0 +1,20 @@
+"""nbdist: notebook-first distributed training on ipyparallel MPI engines.
+
+Importing nbdist is cheap and starts nothing: MPI starts at `hvd.init()` on the
+engines, and the notebook side starts a cluster at the first `%%distributed` cell.
+"""
+__version__ = "0.1.0"
+
+
+def load_ipython_extension(ipython):
+    """`%load_ext nbdist`: register the %%distributed and %dist_* magics."""
+    from .magics import load_ipython_extension as _load
+
+    _load(ipython)
+
+
+def unload_ipython_extension(ipython):
+    """`%unload_ext nbdist`: stop the cluster and remove the magics."""
+    from .magics import unload_ipython_extension as _unload
+
+    _unload(ipython)

@@ -1,0 +1,64 @@
+"""Runtime options read from the environment, with Horovod's names accepted as aliases.
+
+One place for every knob, so the docs, `nbdist doctor` and the runtime agree.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+MiB = 1024 * 1024
+
+
+def _env(name: str, horovod_name: str | None = None) -> str | None:
+    """The value of NBDIST_<name>, else HOROVOD_<name> (or the given Horovod alias)."""
+    value = os.environ.get("NBDIST_" + name)
+    if value is None or value == "":
+        value = os.environ.get(horovod_name or ("HOROVOD_" + name))
+    return value if value not in ("",) else None
+
+
+def _number(name: str, default: float, horovod_name: str | None = None, cast=float):
+    raw = _env(name, horovod_name)
+    if raw is None:
+        return default
+    try:
+        return cast(raw)
+    except ValueError:
+        raise ValueError(f"environment variable NBDIST_{name}={raw!r} is not a number") from None
+
+
+@dataclass(frozen=True)
+class Config:
+    """The runtime's options, read once at init()."""
+
+    fusion_threshold: int = 64 * MiB  # bytes; NBDIST_FUSION_THRESHOLD / HOROVOD_FUSION_THRESHOLD
+    cycle_time_ms: float = 1.0  # NBDIST_CYCLE_TIME / HOROVOD_CYCLE_TIME (milliseconds)
+    cache_capacity: int = 1024  # NBDIST_CACHE_CAPACITY / HOROVOD_CACHE_CAPACITY (0 disables)
+    stall_warning_s: float = 60.0  # NBDIST_STALL_WARNING_S (HOROVOD_STALL_CHECK_TIME_SECONDS)
+    timeout_s: float = 600.0  # NBDIST_TIMEOUT_S (0: wait for ever); HOROVOD_STALL_SHUTDOWN_TIME_SECONDS
+    cpu_operations: str = "auto"  # NBDIST_CPU_OPERATIONS / HOROVOD_CPU_OPERATIONS: auto|mpi|shm
+    local_size: int = 0  # NBDIST_LOCAL_SIZE: pretend nodes of this many ranks (1: each rank its own node)
+
+    @classmethod
+    def from_environment(cls) -> "Config":
+        cpu_ops = (_env("CPU_OPERATIONS") or "auto").lower()
+        if cpu_ops not in ("auto", "mpi", "shm", "hierarchical"):
+            raise ValueError(
+                f"NBDIST_CPU_OPERATIONS={cpu_ops!r}: expected one of auto, mpi, shm, hierarchical")
+        config = cls(
+            fusion_threshold=int(_number("FUSION_THRESHOLD", 64 * MiB, cast=int)),
+            cycle_time_ms=_number("CYCLE_TIME", 1.0),
+            cache_capacity=int(_number("CACHE_CAPACITY", 1024, cast=int)),
+            stall_warning_s=_number("STALL_WARNING_S", 60.0, "HOROVOD_STALL_CHECK_TIME_SECONDS"),
+            timeout_s=_number("TIMEOUT_S", 600.0, "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"),
+            cpu_operations=cpu_ops,
+            local_size=int(_number("LOCAL_SIZE", 0, cast=int)),
+        )
+        if config.fusion_threshold < 0 or config.cycle_time_ms < 0 or config.local_size < 0:
+            raise ValueError(f"negative value in nbdist options: {config}")
+        return config
+
+    def describe(self) -> dict:
+        """The options as a dict, for `nbdist doctor` and %dist_status."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -1,0 +1,64 @@
+"""The data-path interface, and the one place that chooses a transport for an op.
+
+The engine negotiates *what* runs; a Transport moves the bytes of an op that every
+rank of the communicator has agreed to run, in the same order on every rank.
+Transports see plain, C-contiguous numpy arrays (GPU transports: device buffers with
+the same methods); averaging and scaling are the engine's job, so a transport only
+implements the reductions Sum, Min, Max and Product.
+
+float16 and bfloat16 sums must accumulate in float32 (or better); a transport that
+cannot reduce a dtype natively upcasts internally.
+"""
+from __future__ import annotations
+
+import abc
+from typing import Sequence
+
+import numpy as np
+
+from .ops_base import ReduceOp
+
+
+class TransportError(RuntimeError):
+    """A transport could not complete an op (a peer died, a timeout, an abort)."""
+
+
+class Transport(abc.ABC):
+    """Moves the bytes of agreed collectives between the ranks of one communicator."""
+
+    name: str = "abstract"
+
+    @abc.abstractmethod
+    def allreduce(self, buf: np.ndarray, op: ReduceOp) -> None:
+        """Reduce `buf` across ranks in place (op is Sum, Min, Max or Product)."""
+
+    @abc.abstractmethod
+    def allgatherv(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int]) -> None:
+        """Concatenate every rank's `send` into `recv`; counts[r] = elements from rank r."""
+
+    @abc.abstractmethod
+    def broadcast(self, buf: np.ndarray, root: int) -> None:
+        """Copy root's `buf` into every rank's `buf`."""
+
+    @abc.abstractmethod
+    def alltoallv(self, send: np.ndarray, send_counts: Sequence[int],
+                  recv: np.ndarray, recv_counts: Sequence[int]) -> None:
+        """Rank r sends send_counts[p] elements to rank p, in rank order; receives likewise."""
+
+    @abc.abstractmethod
+    def reducescatter(self, send: np.ndarray, recv: np.ndarray,
+                      counts: Sequence[int], op: ReduceOp) -> None:
+        """Reduce `send` across ranks; rank r keeps elements [sum(counts[:r]), +counts[r])."""
+
+    def close(self) -> None:
+        """Release what the transport holds (segments, communicators)."""
+
+
+def choose_transport(runtime, device: str, kind: str) -> Transport:
+    """The transport that moves an op's bytes: the one place where this is decided.
+
+    GPU buffers go to NCCL, CPU buffers on one node to shared memory, CPU buffers
+    across nodes to the hierarchical path; NBDIST_CPU_OPERATIONS overrides the CPU
+    choice. Until the native module is built, every CPU op goes through MPI.
+    """
+    return runtime.transports.for_op(device, kind)

@@ -1,0 +1,1 @@
+"""The transports that move bytes: MPI (always), shared memory and NCCL (native)."""

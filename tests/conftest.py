@@ -1,0 +1,59 @@
+"""Shared test helpers: run a file on N MPI ranks, bounded, and report each rank's output.
+
+Multi-rank tests live in tests/ranks/ and run *inside* `mpiexec -n N pytest ...`
+(every rank runs the same tests in the same order). The outer suite starts those
+runs through `run_ranks`, so one hung collective fails one test, not the CI run.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+MPIEXEC = str(BIN / "mpiexec") if (BIN / "mpiexec").exists() else "mpiexec"
+
+# The rank-level test files are collected only inside an mpiexec run.
+collect_ignore_glob = [] if os.environ.get("NBDIST_RANK_TESTS") else ["ranks/*"]
+
+
+def rank_env(**extra: str) -> dict:
+    """The environment for ranks: quick timeouts so a broken test fails fast."""
+    env = dict(os.environ)
+    env.setdefault("NBDIST_TIMEOUT_S", "60")
+    env["NBDIST_RANK_TESTS"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def run_ranks(n: int, args: list[str], timeout: float = 240, env: dict | None = None,
+              check: bool = True) -> subprocess.CompletedProcess:
+    """Run `python args...` on n ranks under mpiexec, killing the whole group on timeout."""
+    cmd = [MPIEXEC, "-n", str(n), sys.executable, *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env or rank_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{n} ranks did not finish within {timeout} s: {' '.join(args)}\n{out[-6000:]}")
+    result = subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+    if check and proc.returncode != 0:
+        pytest.fail(f"{n} ranks failed (exit {proc.returncode}): {' '.join(args)}\n{out[-8000:]}")
+    return result
+
+
+def run_rank_tests(n: int, test_file: str, timeout: float = 300, extra_env: dict | None = None,
+                   pytest_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """Run one tests/ranks/ file with pytest on n ranks; every rank must pass."""
+    env = rank_env(**(extra_env or {}))
+    args = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "--timeout", "120",
+            str(ROOT / "tests" / "ranks" / test_file), *pytest_args]
+    return run_ranks(n, args, timeout=timeout, env=env)
