@@ -1,0 +1,293 @@
+"""The background thread: queues ops by name, negotiates with rank 0, runs what is agreed.
+
+Control flow (Horovod's model, with a coordinator):
+  user thread   submit(Request) → queue, wake the thread
+  every rank    sends its new requests to rank 0 (a cache id for an op it repeats
+                unchanged, else the full signature), tagged with its epoch
+  rank 0        records them (negotiation.Coordinator); when ops are ready on every
+                rank it sends one message with the units to run, in order, to all
+  every rank    runs the units (execution.Executor) and completes the handles
+
+Waiting backs off (spin, then sleeps growing to 1-10 ms), and an idle rank's thread
+sleeps on a condition variable: no op queued costs no CPU (rank 0 alone wakes ten
+times a second to notice stalled ops of other ranks).
+
+An abort (a rank raised or was interrupted) goes to rank 0, which fails every op in
+flight on every rank and starts a new epoch; requests sent before a rank learned of
+the new epoch are ignored, so the next cell starts clean.
+"""
+from __future__ import annotations
+
+import collections
+import sys
+import threading
+import time
+import traceback
+
+from . import errors
+from .execution import Executor
+from .negotiation import Coordinator
+from .requests import Request, Response
+
+TAG_TO_COORDINATOR = 11
+TAG_FROM_COORDINATOR = 12
+COORDINATOR = 0
+
+
+class Backoff:
+    """Sleep schedule for polling: spin, then 20 µs doubling to a cap that grows with waiting."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.spins = 0
+        self.delay = 0.0
+        self.since = time.monotonic()
+
+    def next_delay(self) -> float:
+        self.spins += 1
+        if self.spins < 50:
+            return 0.0
+        cap = 1e-3 if time.monotonic() - self.since < 0.2 else 10e-3
+        self.delay = min(cap, max(20e-6, self.delay * 2))
+        return self.delay
+
+
+class Engine:
+    """One per process: owns the background thread and, on rank 0, the coordinator."""
+
+    def __init__(self, topology, config, transports_factory):
+        self.topology = topology
+        self.config = config
+        self.rank = topology.rank
+        self.size = topology.size
+        self.comm = topology.control_comm
+        self.epoch = 0
+        self._queue: collections.deque = collections.deque()
+        self._control: collections.deque = collections.deque()  # abort / poison to send
+        self._cv = threading.Condition()
+        self._local: dict[str, Request] = {}  # sent, waiting for a response
+        self._names_in_flight: set[str] = set()
+        self._cache: dict[str, tuple[int, tuple]] = {}  # name -> (cache id, my signature)
+        self._templates: dict[int, Response] = {}
+        self._sends: list = []
+        self._stopping = False
+        self._broken: str | None = None
+        self._abort_reason: str | None = None
+        self.auto_name_counter = 0
+        self.last_response_at = 0.0
+        self.coordinator = (Coordinator(self.size, config.fusion_threshold, config.cache_capacity,
+                                        config.stall_warning_s, config.timeout_s, warn=self._warn)
+                            if self.rank == COORDINATOR else None)
+        self.transports = transports_factory(self._should_stop)
+        self.executor = Executor(self.rank, self.size, self.transports.for_op)
+        self._thread = threading.Thread(target=self._run, name="nbdist-engine", daemon=True)
+        self._thread.start()
+
+    # -- user-thread side ----------------------------------------------------------------
+    def auto_name(self, kind: str) -> str:
+        """A name for an unnamed op; the counter restarts at each epoch so ranks stay aligned."""
+        self.auto_name_counter += 1
+        return f"{kind}.noname.{self.epoch}.{self.auto_name_counter}"
+
+    def submit(self, request: Request) -> None:
+        """Queue an op; raises at once if its name is already in flight on this rank."""
+        if self._broken:
+            raise errors.RuntimeBrokenError(self._broken)
+        with self._cv:
+            if request.name in self._names_in_flight:
+                message = (f"{request.kind} '{request.name}' was submitted twice by rank "
+                           f"{self.rank} while in flight; give each in-flight op its own name")
+                self._control.append(("poison", request.name, message))
+                self._cv.notify()
+                raise ValueError(message)
+            self._names_in_flight.add(request.name)
+            self._queue.append(request)
+            self._cv.notify()
+
+    def abort(self, reason: str) -> None:
+        """Fail every op in flight on every rank with `reason` (non-blocking)."""
+        with self._cv:
+            self._control.append(("abort", reason))
+            self._cv.notify()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self._thread.join(timeout)
+        self._fail_all(errors.NbdistError("nbdist was shut down while this op was in flight"))
+        self.transports.close()
+
+    # -- background thread -----------------------------------------------------------------
+    def _warn(self, message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    def _should_stop(self) -> str | None:
+        """Asked by transports while they wait: a reason to give up, or None."""
+        return "nbdist is shutting down" if self._stopping else None
+
+    def _run(self) -> None:
+        backoff = Backoff()
+        try:
+            while True:
+                with self._cv:
+                    if self._stopping:
+                        return
+                    new = list(self._queue)
+                    self._queue.clear()
+                    control = list(self._control)
+                    self._control.clear()
+                worked = self._cycle(new, control)
+                if worked:
+                    backoff.reset()
+                    continue
+                delay = backoff.next_delay()
+                with self._cv:
+                    if self._queue or self._control or self._stopping:
+                        continue
+                    if self._idle():
+                        # Rank 0 still wakes now and then to watch other ranks' stalls.
+                        self._cv.wait(0.1 if self.coordinator is not None else None)
+                        backoff.reset()
+                    elif delay:
+                        self._cv.wait(delay)
+        except BaseException as exc:  # a transport failure: the runtime cannot go on
+            self._broken = (f"nbdist runtime on rank {self.rank} stopped after an internal "
+                            f"error: {type(exc).__name__}: {exc}; call shutdown() and init() again")
+            self._warn(self._broken + "\n" + traceback.format_exc())
+            self._fail_all(errors.RuntimeBrokenError(self._broken))
+
+    def _idle(self) -> bool:
+        coordinator_idle = self.coordinator is None or not self.coordinator.has_work()
+        return not self._local and coordinator_idle and not self._sends
+
+    def _cycle(self, new: list[Request], control: list[tuple]) -> bool:
+        """One pass: take in messages, send requests, run what is agreed. True if it did work."""
+        worked = self._drain_incoming()  # first, so an abort from rank 0 is seen before sending
+        self._sends = [s for s in self._sends if not s.Test()]
+        if control:
+            worked = True
+            for item in control:
+                self._send_control(item)
+        if new:
+            worked = True
+            self._send_requests(new)
+        if self.coordinator is not None:
+            worked = self._coordinate() or worked
+        return worked
+
+    def _send_control(self, item: tuple) -> None:
+        message = (item[0], self.epoch, self.rank) + item[1:]
+        if self.coordinator is not None:
+            self._on_message(message)
+        else:
+            self._sends.append(self.comm.isend(message, dest=COORDINATOR, tag=TAG_TO_COORDINATOR))
+
+    def _send_requests(self, new: list[Request]) -> None:
+        items = []
+        for req in new:
+            self._local[req.name] = req
+            cached = self._cache.get(req.name)
+            if cached is not None and cached[1] == req.signature:
+                items.append(cached[0])
+            else:
+                items.append((req.name, req.signature, req.named))
+        message = ("req", self.epoch, self.rank, items)
+        if self.coordinator is not None:
+            self._on_message(message)
+        else:
+            self._sends.append(self.comm.isend(message, dest=COORDINATOR, tag=TAG_TO_COORDINATOR))
+
+    def _drain_incoming(self) -> bool:
+        if self.size == 1:
+            return False
+        from mpi4py import MPI
+
+        worked = False
+        is_coordinator = self.coordinator is not None
+        tag = TAG_TO_COORDINATOR if is_coordinator else TAG_FROM_COORDINATOR
+        source = MPI.ANY_SOURCE if is_coordinator else COORDINATOR
+        status = MPI.Status()
+        while self.comm.Iprobe(source=source, tag=tag, status=status):
+            message = self.comm.recv(source=status.Get_source(), tag=tag)
+            worked = True
+            if is_coordinator:
+                self._on_message(message)
+            else:
+                self._on_broadcast(message)
+        return worked
+
+    # -- rank 0: the coordinator ------------------------------------------------------------
+    def _on_message(self, message: tuple) -> None:
+        kind, epoch, rank = message[0], message[1], message[2]
+        coord = self.coordinator
+        if kind == "abort":
+            new_epoch = coord.abort()
+            self._broadcast(("abort", new_epoch, message[3]))
+            return
+        if epoch != coord.epoch:
+            return  # sent before that rank learned of an abort: it failed these already
+        if kind == "req":
+            immediate = []
+            for item in message[3]:
+                immediate += coord.add(rank, item)
+            if immediate:
+                self._broadcast(("units", coord.epoch, [[r] for r in immediate]))
+        elif kind == "poison":
+            self._broadcast(("units", coord.epoch, [[r] for r in coord.poison(rank, message[3],
+                                                                               message[4])]))
+
+    def _coordinate(self) -> bool:
+        coord = self.coordinator
+        failed = coord.check_stalls()
+        if failed:
+            self._broadcast(("units", coord.epoch, [[r] for r in failed]))
+        if not coord.has_ready():
+            return bool(failed)
+        # Let a burst (a backward pass) gather for fusion, up to one cycle.
+        now = time.monotonic()
+        if (coord.partially_submitted()
+                and now - self.last_response_at < self.config.cycle_time_ms / 1000.0):
+            return bool(failed)
+        self.last_response_at = now
+        self._broadcast(("units", coord.epoch, coord.take_units()))
+        return True
+
+    def _broadcast(self, message: tuple) -> None:
+        """Send a message to every rank (rank 0 handles its own copy directly)."""
+        for dest in range(1, self.size):
+            self._sends.append(self.comm.isend(message, dest=dest, tag=TAG_FROM_COORDINATOR))
+        self._on_broadcast(message)
+
+    # -- every rank: run what rank 0 decided -------------------------------------------------
+    def _on_broadcast(self, message: tuple) -> None:
+        kind, epoch = message[0], message[1]
+        if kind == "abort":
+            self.epoch = epoch
+            self.auto_name_counter = 0
+            self._fail_all(errors.AbortedError(message[2]))
+            return
+        for unit in message[2]:
+            responses = [self._templates[e] if isinstance(e, int) else e for e in unit]
+            for resp in responses:
+                if resp.cache_id >= 0 and resp.error is None:
+                    self._templates[resp.cache_id] = resp
+                    req = self._local.get(resp.names[0])
+                    if req is not None:
+                        self._cache[resp.names[0]] = (resp.cache_id, req.signature)
+            done = [n for r in responses for n in r.names if n in self._local]
+            self.executor.run_unit(responses, self._local)
+            with self._cv:
+                self._names_in_flight.difference_update(n for n in done if n not in self._local)
+
+    def _fail_all(self, error: BaseException) -> None:
+        """Fail every op this rank has queued or in flight."""
+        with self._cv:
+            pending = list(self._queue) + list(self._local.values())
+            self._queue.clear()
+            self._local.clear()
+            self._names_in_flight.clear()
+        for req in pending:
+            req.handle.set_error(error)

@@ -1,0 +1,194 @@
+"""Runs agreed units on this rank: fusion buffers, scaling, and the transport calls.
+
+Every rank runs the same units in the same order (the coordinator's), so the
+transport collectives line up. A rank that joined has no request for an op and
+takes part with zeros (allreduce) or no rows (allgather), as Horovod does.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from .ops_base import ReduceOp
+from .requests import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN,
+                       REDUCESCATTER, Request, Response, make_error, numpy_dtype)
+
+
+def reducescatter_counts(rows: int, size: int) -> list[int]:
+    """Rows of the first dimension each rank keeps: the first `rows % size` get one more."""
+    base, extra = divmod(rows, size)
+    return [base + (1 if r < extra else 0) for r in range(size)]
+
+
+class Executor:
+    """Turns responses into transport calls for one rank, and completes its handles."""
+
+    def __init__(self, rank: int, size: int, choose: Callable[[str, str], object]):
+        self.rank = rank
+        self.size = size
+        self.choose = choose  # (device, kind) -> Transport
+        self._fusion: dict[str, np.ndarray] = {}
+
+    # -- helpers -----------------------------------------------------------------------
+    def _fusion_buffer(self, dtype: np.dtype, elements: int) -> np.ndarray:
+        """A reusable flat buffer per dtype, grown as needed (fusion of small allreduces)."""
+        buf = self._fusion.get(dtype.str + dtype.name)
+        if buf is None or buf.size < elements:
+            buf = np.empty(max(elements, 1024), dtype)
+            self._fusion[dtype.str + dtype.name] = buf
+        return buf[:elements]
+
+    @staticmethod
+    def _scale(buf: np.ndarray, factor: float) -> None:
+        if factor == 1.0 or buf.size == 0:
+            return
+        if buf.dtype.kind in "iu":
+            np.multiply(buf, factor, out=buf, casting="unsafe")
+        else:
+            buf *= buf.dtype.type(factor)
+
+    def _finish_reduction(self, buf: np.ndarray, resp: Response) -> None:
+        post = resp.postscale
+        if resp.op == ReduceOp.Average:
+            if buf.dtype.kind in "iu":  # integer average: floor division, after the postscale
+                self._scale(buf, post)
+                np.floor_divide(buf, self.size, out=buf)
+                return
+            post = post / self.size
+        self._scale(buf, post)
+
+    @staticmethod
+    def _transport_op(op: int) -> ReduceOp:
+        return ReduceOp.Sum if op == ReduceOp.Average else ReduceOp(op)
+
+    # -- entry point -------------------------------------------------------------------
+    def run_unit(self, unit: list[Response], local: dict[str, Request]) -> None:
+        """Run one unit; complete (or fail) the local requests it names, removing them."""
+        first = unit[0]
+        if first.error is not None:
+            for resp in unit:
+                if resp.targets is None or self.rank in resp.targets:
+                    for name in resp.names:
+                        req = local.pop(name, None)
+                        if req is not None:
+                            req.handle.set_error(make_error(resp.error))
+            return
+        reqs = [local.pop(resp.names[0], None) for resp in unit]
+        try:
+            if first.kind == ALLREDUCE:
+                self._allreduce(unit, reqs)
+            elif first.kind == ALLGATHER:
+                self._allgather(first, reqs[0])
+            elif first.kind == BROADCAST:
+                self._broadcast(first, reqs[0])
+            elif first.kind == ALLTOALL:
+                self._alltoall(first, reqs[0])
+            elif first.kind == REDUCESCATTER:
+                self._reducescatter(first, reqs[0])
+            elif first.kind == BARRIER:
+                if reqs[0] is not None:
+                    reqs[0].handle.set_result(None)
+            elif first.kind == JOIN:
+                if reqs[0] is not None:
+                    reqs[0].handle.set_result(first.last_joined)
+            else:  # pragma: no cover - the coordinator only sends known kinds
+                raise ValueError(f"unknown op kind {first.kind!r}")
+        except BaseException as exc:
+            for req in reqs:
+                if req is not None:
+                    req.handle.set_error(exc)
+            raise
+
+    # -- the kinds -----------------------------------------------------------------------
+    def _allreduce(self, unit: list[Response], reqs: list[Request | None]) -> None:
+        first = unit[0]
+        dtype = numpy_dtype(first.dtype)
+        transport = self.choose(first.device, ALLREDUCE)
+        op = self._transport_op(first.op)
+        outputs = []
+        for resp, req in zip(unit, reqs):
+            if req is None:  # joined: contribute zeros of the agreed shape
+                outputs.append(np.zeros(resp.shapes[0], dtype))
+            elif req.inplace:
+                outputs.append(req.array)
+            else:
+                outputs.append(np.empty_like(req.array))
+        if len(unit) == 1:
+            buf = outputs[0]
+            req = reqs[0]
+            if req is not None and not req.inplace:
+                np.copyto(buf, req.array)
+            flat = buf.reshape(-1)
+            self._scale(flat, first.prescale)
+            transport.allreduce(flat, op)
+            self._finish_reduction(flat, first)
+        else:
+            total = sum(o.size for o in outputs)
+            fused = self._fusion_buffer(dtype, total)
+            offset = 0
+            for out, req in zip(outputs, reqs):
+                src = out if req is None else req.array
+                fused[offset:offset + out.size] = src.reshape(-1)
+                offset += out.size
+            self._scale(fused, first.prescale)
+            transport.allreduce(fused, op)
+            self._finish_reduction(fused, first)
+            offset = 0
+            for out in outputs:
+                out.reshape(-1)[...] = fused[offset:offset + out.size]
+                offset += out.size
+        for out, req in zip(outputs, reqs):
+            if req is not None:
+                req.handle.set_result(out)
+
+    def _allgather(self, resp: Response, req: Request | None) -> None:
+        dtype = numpy_dtype(resp.dtype)
+        inner = resp.shapes[0]
+        row = int(np.prod(inner)) if inner else 1
+        rows = resp.first_dims[0]
+        recv = np.empty((sum(rows),) + tuple(inner), dtype)
+        send = req.array if req is not None else np.empty((0,) + tuple(inner), dtype)
+        self.choose(resp.device, ALLGATHER).allgatherv(
+            np.ascontiguousarray(send).reshape(-1), recv.reshape(-1), [r * row for r in rows])
+        if req is not None:
+            req.handle.set_result(recv)
+
+    def _broadcast(self, resp: Response, req: Request | None) -> None:
+        dtype = numpy_dtype(resp.dtype)
+        if req is None:
+            buf = np.empty(resp.shapes[0], dtype)
+        elif req.inplace:
+            buf = req.array
+        elif self.rank == resp.root:
+            buf = req.array.copy()
+        else:
+            buf = np.empty_like(req.array)
+        self.choose(resp.device, BROADCAST).broadcast(buf.reshape(-1), resp.root)
+        if req is not None:
+            req.handle.set_result(buf)
+
+    def _alltoall(self, resp: Response, req: Request) -> None:
+        dtype = numpy_dtype(resp.dtype)
+        inner = tuple(resp.shapes[0])
+        row = int(np.prod(inner)) if inner else 1
+        send_rows = resp.splits[self.rank]
+        recv_rows = [resp.splits[src][self.rank] for src in range(self.size)]
+        recv = np.empty((sum(recv_rows),) + inner, dtype)
+        self.choose(resp.device, ALLTOALL).alltoallv(
+            req.array.reshape(-1), [r * row for r in send_rows],
+            recv.reshape(-1), [r * row for r in recv_rows])
+        req.handle.set_result((recv, np.asarray(recv_rows, dtype=np.int32)))
+
+    def _reducescatter(self, resp: Response, req: Request) -> None:
+        shape = resp.shapes[0]
+        inner = tuple(shape[1:])
+        row = int(np.prod(inner)) if inner else 1
+        counts = reducescatter_counts(shape[0] if shape else 0, self.size)
+        send = req.array.copy().reshape(-1)
+        self._scale(send, resp.prescale)
+        recv = np.empty((counts[self.rank],) + inner, req.array.dtype)
+        self.choose(resp.device, REDUCESCATTER).reducescatter(
+            send, recv.reshape(-1), [c * row for c in counts], self._transport_op(resp.op))
+        self._finish_reduction(recv.reshape(-1), resp)
+        req.handle.set_result(recv)

@@ -1,0 +1,317 @@
+"""The coordinator's bookkeeping: which named ops are ready on every rank, and what to run.
+
+Pure Python with no MPI in it, so it can be unit-tested alone. Rank 0's engine
+feeds it the requests of every rank (full signatures, or the id of a cached
+response when a rank repeats a known op unchanged) and takes back, each cycle,
+the units to run: lists of responses, where a list of several allreduces is one
+fused buffer. Responses every rank has already seen travel as a bare cache id,
+which makes the steady state of training (the same names every step) cheap.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .requests import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN,
+                       REDUCESCATTER, SIG_DEVICE, SIG_DTYPE, SIG_KIND, SIG_OP, SIG_POST,
+                       SIG_PRE, SIG_ROOT, SIG_SHAPE, SIG_SPLITS, Response)
+from .ops_base import ReduceOp
+
+JOIN_NAME = "__nbdist.join__"
+KINDS_WITH_JOINED = {ALLREDUCE, ALLGATHER, BROADCAST, BARRIER, JOIN}
+
+
+def rank_list(ranks) -> str:
+    """'rank 3' or 'ranks 0, 2-5': compact, for messages that must stay readable at 64 ranks."""
+    ranks = sorted(ranks)
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    parts, start, prev = [], None, None
+    for r in ranks:
+        if start is None:
+            start = prev = r
+        elif r == prev + 1:
+            prev = r
+        else:
+            parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = prev = r
+    parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+    return "ranks " + ", ".join(parts)
+
+
+def describe_by_rank(values: dict[int, object]) -> str:
+    """'rank 0: (3, 4); ranks 1-3: (4, 3)': ranks grouped by the value they had."""
+    groups: dict[str, list[int]] = {}
+    for r, v in sorted(values.items()):
+        groups.setdefault(repr(v) if not isinstance(v, str) else v, []).append(r)
+    return "; ".join(f"{rank_list(rs)}: {v}" for v, rs in groups.items())
+
+
+@dataclass
+class _Pending:
+    name: str
+    first_seen: float
+    sigs: dict[int, tuple] = field(default_factory=dict)
+    cids: dict[int, int] = field(default_factory=dict)
+    named: bool = True
+    warned: bool = False
+
+
+@dataclass
+class _CacheEntry:
+    name: str
+    sigs: dict[int, tuple]
+    response: Response
+
+
+def _mismatch(name: str, kind: str, what: str, values: dict[int, object]) -> tuple:
+    return ("MismatchError",
+            f"{kind} '{name}': ranks disagree on {what}: {describe_by_rank(values)}")
+
+
+class Coordinator:
+    """Rank 0's table of submitted ops; decides what runs, in one order for every rank."""
+
+    def __init__(self, size: int, fusion_threshold: int, cache_capacity: int,
+                 stall_warning_s: float, timeout_s: float,
+                 warn: Callable[[str], None] = print, clock: Callable[[], float] = time.monotonic):
+        self.size = size
+        self.fusion_threshold = fusion_threshold
+        self.cache_capacity = cache_capacity
+        self.stall_warning_s = stall_warning_s
+        self.timeout_s = timeout_s
+        self.warn = warn
+        self.clock = clock
+        self.pending: dict[str, _Pending] = {}
+        self.ready: list[str] = []
+        self.joined: list[int] = []
+        self.cache_by_id: dict[int, _CacheEntry] = {}
+        self.cache_by_name: dict[str, int] = {}
+        self.tombstones: dict[str, tuple[tuple, set[int]]] = {}
+        self.epoch = 0
+
+    # -- input -----------------------------------------------------------------------
+    def add(self, rank: int, item) -> list[Response]:
+        """Record one request of `rank`: a cache id, or (name, signature, named).
+
+        Returns error responses that must go out at once (an op already failed).
+        """
+        if isinstance(item, int):
+            entry = self.cache_by_id[item]
+            name, sig, named, cid = entry.name, entry.sigs[rank], True, item
+        else:
+            name, sig, named = item
+            cid = -1
+        tomb = self.tombstones.get(name)
+        if tomb is not None and rank in tomb[1]:
+            tomb[1].discard(rank)
+            if not tomb[1]:
+                del self.tombstones[name]
+            return [Response(kind=sig[SIG_KIND], names=[name], error=tomb[0], targets=(rank,))]
+        pending = self.pending.get(name)
+        if pending is None:
+            pending = self.pending[name] = _Pending(name, self.clock(), named=named)
+        if rank in pending.sigs:  # the engine rejects local duplicates; this is a late one
+            return [Response(kind=sig[SIG_KIND], names=[name], targets=(rank,), error=(
+                "ValueError", f"{sig[SIG_KIND]} '{name}' was submitted twice by rank {rank} "
+                "while in flight; give each in-flight op its own name"))]
+        pending.sigs[rank] = sig
+        pending.named = pending.named and named
+        if cid >= 0:
+            pending.cids[rank] = cid
+        if sig[SIG_KIND] == JOIN:
+            self.joined.append(rank)
+            self._recheck_all()
+        else:
+            self._check_ready(pending)
+        return []
+
+    def poison(self, rank: int, name: str, message: str) -> list[Response]:
+        """Fail `name` on every rank: those that submitted it now, the others when they do."""
+        pending = self.pending.pop(name, None)
+        error = ("ValueError", message)
+        if name in self.ready:
+            self.ready.remove(name)
+        submitted = set(pending.sigs) if pending else set()
+        submitted.add(rank)
+        missing = set(range(self.size)) - submitted
+        if missing:
+            self.tombstones[name] = (error, missing)
+        kind = next(iter(pending.sigs.values()))[SIG_KIND] if pending else ALLREDUCE
+        return [Response(kind=kind, names=[name], error=error, targets=tuple(sorted(submitted)))]
+
+    def abort(self) -> int:
+        """Forget every op in flight (their ranks fail them); returns the new epoch."""
+        self.pending.clear()
+        self.ready.clear()
+        self.joined.clear()
+        self.tombstones.clear()
+        self.epoch += 1
+        return self.epoch
+
+    # -- readiness ---------------------------------------------------------------------
+    def _covered(self, pending: _Pending) -> bool:
+        return len(pending.sigs.keys() | set(self.joined)) == self.size
+
+    def _check_ready(self, pending: _Pending) -> None:
+        if pending.name not in self.ready and self._covered(pending):
+            self.ready.append(pending.name)
+
+    def _recheck_all(self) -> None:
+        for pending in self.pending.values():
+            self._check_ready(pending)
+
+    def has_work(self) -> bool:
+        """True while any op is known (so the engine keeps polling)."""
+        return bool(self.pending)
+
+    def has_ready(self) -> bool:
+        return bool(self.ready)
+
+    def partially_submitted(self) -> bool:
+        """True when some op is submitted by some ranks but not all: more may come soon."""
+        return len(self.pending) > len(self.ready)
+
+    # -- output ------------------------------------------------------------------------
+    def take_units(self) -> list[list]:
+        """The ready ops as units to run in order; a unit of several allreduces is fused.
+
+        Each element is a Response, or an int: the id of a cached response.
+        """
+        elements: list = []
+        for name in self.ready:
+            pending = self.pending.pop(name)
+            elements.append(self._respond(pending))
+        self.ready.clear()
+        return self._fuse(elements)
+
+    def _response_of(self, element) -> Response:
+        return self.cache_by_id[element].response if isinstance(element, int) else element
+
+    def _fuse(self, elements: list) -> list[list]:
+        units: list[list] = []
+        open_units: dict[tuple, tuple[list, int]] = {}
+        for element in elements:
+            resp = self._response_of(element)
+            if resp.kind != ALLREDUCE or resp.error is not None or resp.joined:
+                units.append([element])
+                continue
+            key = (resp.dtype, resp.op, resp.prescale, resp.postscale, resp.device)
+            nbytes = resp.nbytes()
+            unit, used = open_units.get(key, (None, 0))
+            if unit is not None and used + nbytes <= self.fusion_threshold:
+                unit.append(element)
+                open_units[key] = (unit, used + nbytes)
+            else:
+                unit = [element]
+                units.append(unit)
+                open_units[key] = (unit, nbytes)
+        return units
+
+    def _respond(self, pending: _Pending):
+        """Validate one complete op and build its response (or a cached id)."""
+        name, sigs = pending.name, pending.sigs
+        if (not self.joined and len(pending.cids) == self.size
+                and len(set(pending.cids.values())) == 1):
+            return next(iter(pending.cids.values()))
+        first = next(iter(sigs.values()))
+        kind = first[SIG_KIND]
+        error = self._validate(name, kind, sigs)
+        if error is not None:
+            return Response(kind=kind, names=[name], error=error, targets=tuple(sorted(sigs)))
+        resp = Response(kind=kind, names=[name], dtype=first[SIG_DTYPE], op=first[SIG_OP],
+                        prescale=first[SIG_PRE], postscale=first[SIG_POST],
+                        root=first[SIG_ROOT], device=first[SIG_DEVICE],
+                        joined=tuple(sorted(set(self.joined) - set(sigs))))
+        if kind == JOIN:
+            resp.last_joined = self.joined[-1]
+            self.joined.clear()
+            return resp
+        shape = first[SIG_SHAPE]
+        if kind in (ALLGATHER, ALLTOALL):
+            rows = [sigs[r][SIG_SHAPE][0] if r in sigs else 0 for r in range(self.size)]
+            resp.first_dims = [rows]
+            resp.shapes = [tuple(shape[1:])]
+            if kind == ALLTOALL:
+                resp.splits = [list(sigs[r][SIG_SPLITS]) for r in range(self.size)]
+        else:
+            resp.shapes = [shape] if shape is not None else []
+        if pending.named and not resp.joined and self.cache_capacity > len(self.cache_by_id):
+            cid = len(self.cache_by_id)
+            resp.cache_id = cid
+            self.cache_by_id[cid] = _CacheEntry(name, dict(sigs), resp)
+            self.cache_by_name[name] = cid
+        return resp
+
+    def _validate(self, name: str, kind: str, sigs: dict[int, tuple]) -> tuple | None:
+        """None when the ranks agree; else an error (class name, message) naming what differs."""
+
+        def field_of(i, f=lambda v: v):
+            return {r: f(s[i]) for r, s in sigs.items()}
+
+        def differs(values: dict) -> bool:
+            return len(set(values.values())) > 1
+
+        kinds = field_of(SIG_KIND)
+        if differs(kinds):
+            return _mismatch(name, "op", "the kind of op", kinds)
+        if self.joined and kind not in KINDS_WITH_JOINED:
+            return ("CollectiveError", f"{kind} '{name}' cannot run while "
+                    f"{rank_list(self.joined)} joined; only allreduce, allgather, broadcast "
+                    "and barrier go on after join()")
+        if kind in (BARRIER, JOIN):
+            return None
+        checks = [("dtype", field_of(SIG_DTYPE)), ("device", field_of(SIG_DEVICE))]
+        if kind in (ALLGATHER, ALLTOALL):
+            checks.append(("the number of dimensions", field_of(SIG_SHAPE, len)))
+            checks.append(("the shape after the first dimension",
+                           field_of(SIG_SHAPE, lambda s: tuple(s[1:]))))
+        else:
+            checks.append(("shape", field_of(SIG_SHAPE)))
+        if kind in (ALLREDUCE, REDUCESCATTER):
+            checks.append(("the reduction op", field_of(SIG_OP, lambda o: ReduceOp(o).name)))
+            checks.append(("prescale_factor", field_of(SIG_PRE)))
+            checks.append(("postscale_factor", field_of(SIG_POST)))
+        if kind == BROADCAST:
+            checks.append(("the root rank", field_of(SIG_ROOT)))
+        for what, values in checks:
+            if differs(values):
+                return _mismatch(name, kind, what, values)
+        if kind == BROADCAST:
+            root = next(iter(sigs.values()))[SIG_ROOT]
+            if root in self.joined and root not in sigs:
+                return ("CollectiveError",
+                        f"broadcast '{name}': root rank {root} has joined and has no data")
+        return None
+
+    # -- stalls ------------------------------------------------------------------------
+    def check_stalls(self) -> list[Response]:
+        """Warn about ops some ranks never submitted; fail them after the timeout."""
+        now = self.clock()
+        failed: list[Response] = []
+        everyone = set(range(self.size))
+        for name, pending in list(self.pending.items()):
+            if name in self.ready:
+                continue
+            age = now - pending.first_seen
+            submitted = set(pending.sigs)
+            missing = everyone - submitted - set(self.joined)
+            kind = next(iter(pending.sigs.values()))[SIG_KIND]
+            if self.stall_warning_s and age >= self.stall_warning_s and not pending.warned:
+                pending.warned = True
+                self.warn(f"nbdist: stall: {kind} '{name}' has waited {age:.0f} s: "
+                          f"submitted by {rank_list(submitted)}, missing on {rank_list(missing)}"
+                          + (f"; it fails after {self.timeout_s:g} s (NBDIST_TIMEOUT_S)"
+                             if self.timeout_s else ""))
+            if self.timeout_s and age >= self.timeout_s:
+                del self.pending[name]
+                error = ("CollectiveTimeoutError",
+                         f"{kind} '{name}' timed out after {age:.0f} s (NBDIST_TIMEOUT_S="
+                         f"{self.timeout_s:g}): {rank_list(missing)} never submitted it "
+                         f"({rank_list(submitted)} did)")
+                failed.append(Response(kind=kind, names=[name], error=error,
+                                       targets=tuple(sorted(submitted))))
+                if missing and len(self.tombstones) < 10000:
+                    self.tombstones[name] = (error, set(missing))
+        return failed

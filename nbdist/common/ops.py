@@ -1,0 +1,337 @@
+"""The public collectives on numpy arrays (and any buffer-protocol array).
+
+Each op is checked here, before anything is sent, so bad input fails on the rank
+that gave it with a TypeError or ValueError; then it is queued on the engine by
+name. The `_async` forms return a handle; `synchronize(handle)` waits for it.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from . import basics
+from .ops_base import ReduceOp, SUPPORTED_DTYPES, dtype_name
+from .requests import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN, REDUCESCATTER,
+                       GroupHandle, Handle, Request, signature)
+from .negotiation import JOIN_NAME
+
+
+# -- input checks ------------------------------------------------------------------------
+def _device_of(obj) -> str:
+    interface = getattr(obj, "__cuda_array_interface__", None)
+    if interface is None:
+        return "cpu"
+    device = getattr(obj, "device", None)
+    index = getattr(device, "id", None) if device is not None else None
+    return f"cuda:{index if index is not None else 0}"
+
+
+def as_array(obj: Any, what: str, inplace: bool = False) -> np.ndarray:
+    """The numpy view of an op's input, or a clear TypeError/ValueError naming the problem."""
+    if isinstance(obj, (list, tuple)):
+        raise TypeError(f"{what} expects a numpy array (or another buffer-protocol array), "
+                        f"got a Python {type(obj).__name__}; wrap it with numpy.asarray(...)")
+    if _device_of(obj) != "cpu":
+        raise TypeError(f"{what}: GPU buffers need the NCCL transport, which this build "
+                        "does not provide here (nccl_built() is False); move the data to the CPU")
+    if isinstance(obj, np.ndarray):
+        array = obj
+    else:
+        try:
+            view = memoryview(obj)
+        except TypeError:
+            raise TypeError(f"{what} expects a numpy array or a buffer-protocol object, "
+                            f"got {type(obj).__name__}") from None
+        if not view.c_contiguous:
+            raise ValueError(f"{what}: the buffer is not C-contiguous; pass a contiguous copy")
+        array = np.asarray(view)
+    if array.dtype == object:
+        raise TypeError(f"{what}: arrays of Python objects (dtype=object) cannot be sent; "
+                        "use broadcast_object / allgather_object for Python objects")
+    if array.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{what}: dtype {dtype_name(array.dtype)} is not supported; use one of "
+                        + ", ".join(sorted(dtype_name(d) for d in SUPPORTED_DTYPES)))
+    if inplace:
+        if not array.flags.c_contiguous:
+            raise ValueError(f"{what} (in place) needs a C-contiguous array; this one is a "
+                             "strided view: pass numpy.ascontiguousarray(a) and use the result")
+        if not array.flags.writeable:
+            raise ValueError(f"{what} (in place) needs a writeable array")
+        return array
+    return np.ascontiguousarray(array)
+
+
+def _check_op(op, what: str, dtype: np.dtype) -> ReduceOp:
+    try:
+        op = ReduceOp(op)
+    except ValueError:
+        raise ValueError(f"{what}: unknown reduction op {op!r}; use Average, Sum, Min, Max "
+                         "or Product") from None
+    if op == ReduceOp.Adasum:
+        raise NotImplementedError(f"{what}: Adasum is not implemented in nbdist yet; "
+                                  "use Average or Sum")
+    if dtype == np.bool_:
+        raise TypeError(f"{what}: bool arrays cannot be reduced; cast to uint8 (Max = any, "
+                        "Min = all)")
+    return op
+
+
+def _check_root(root_rank, what: str) -> int:
+    size = basics.size()
+    if not isinstance(root_rank, (int, np.integer)) or isinstance(root_rank, bool):
+        raise TypeError(f"{what}: root_rank must be an int, got {type(root_rank).__name__}")
+    if not 0 <= root_rank < size:
+        raise ValueError(f"{what}: root_rank {root_rank} is out of range for {size} ranks")
+    return int(root_rank)
+
+
+def _name(name: str | None, kind: str) -> tuple[str, bool]:
+    if name is None:
+        return basics.engine().auto_name(kind), False
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"{kind}: name must be a non-empty str, got {name!r}")
+    return name, True
+
+
+def _submit(kind: str, array, name: str | None, inplace: bool = False, **sig) -> Handle:
+    engine = basics.engine()
+    op_name, named = _name(name, kind)
+    splits = sig.pop("splits", None)
+    req = Request(name=op_name, kind=kind, array=array, inplace=inplace,
+                  signature=signature(kind, array, splits=splits, **sig),
+                  handle=Handle(op_name), splits=splits, named=named)
+    engine.submit(req)
+    return req.handle
+
+
+# -- waiting --------------------------------------------------------------------------------
+def poll(handle: Handle) -> bool:
+    """True when the op behind `handle` has finished."""
+    return handle.done()
+
+
+def synchronize(handle: Handle):
+    """Wait for an op and return its result (raises its error).
+
+    The wait wakes every 100 ms so Ctrl-C (a notebook interrupt) gets through; an
+    interrupted wait aborts this rank's ops on every rank, then re-raises.
+    """
+    if not isinstance(handle, Handle):
+        raise TypeError(f"synchronize expects a handle returned by an *_async op, got "
+                        f"{type(handle).__name__}")
+    try:
+        while not handle.wait(0.1):
+            pass
+    except KeyboardInterrupt:
+        if basics.is_initialized():
+            basics.engine().abort(f"rank {basics.rank()} was interrupted while waiting for "
+                                  f"'{handle.name}'")
+        raise
+    return handle.result()
+
+
+# -- allreduce -----------------------------------------------------------------------------
+def allreduce_async(array, op=ReduceOp.Average, name: str | None = None,
+                    prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+    """Start an allreduce; the result is a new array."""
+    a = as_array(array, "allreduce")
+    op = _check_op(op, "allreduce", a.dtype)
+    return _submit(ALLREDUCE, a, name, op=op, prescale=prescale_factor, postscale=postscale_factor)
+
+
+def allreduce_async_(array, op=ReduceOp.Average, name: str | None = None,
+                     prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+    """Start an allreduce that writes its result into `array`."""
+    a = as_array(array, "allreduce_", inplace=True)
+    op = _check_op(op, "allreduce_", a.dtype)
+    return _submit(ALLREDUCE, a, name, inplace=True, op=op, prescale=prescale_factor,
+                   postscale=postscale_factor)
+
+
+def allreduce(array, op=ReduceOp.Average, name: str | None = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> np.ndarray:
+    """Reduce `array` over all ranks (Average by default); returns a new array."""
+    return synchronize(allreduce_async(array, op, name, prescale_factor, postscale_factor))
+
+
+def allreduce_(array, op=ReduceOp.Average, name: str | None = None,
+               prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> np.ndarray:
+    """Reduce `array` over all ranks in place; returns `array`."""
+    return synchronize(allreduce_async_(array, op, name, prescale_factor, postscale_factor))
+
+
+def _group_names(name: str | None, count: int) -> list[str | None]:
+    if name is None:
+        return [None] * count
+    return [f"{name}.{i}" for i in range(count)]
+
+
+def grouped_allreduce_async(arrays: Sequence, op=ReduceOp.Average, name: str | None = None,
+                            prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            _inplace: bool = False) -> Handle:
+    """Start allreduces of several arrays at once (fused together); one handle, a list result."""
+    if isinstance(arrays, np.ndarray) or not isinstance(arrays, (list, tuple)):
+        raise TypeError("grouped_allreduce expects a list of arrays")
+    start = allreduce_async_ if _inplace else allreduce_async
+    parts = [start(a, op, n, prescale_factor, postscale_factor)
+             for a, n in zip(arrays, _group_names(name, len(arrays)))]
+    return GroupHandle(name or "grouped_allreduce", parts)
+
+
+def grouped_allreduce_async_(arrays: Sequence, op=ReduceOp.Average, name: str | None = None,
+                             prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+    """In-place form of grouped_allreduce_async."""
+    return grouped_allreduce_async(arrays, op, name, prescale_factor, postscale_factor, True)
+
+
+def grouped_allreduce(arrays: Sequence, op=ReduceOp.Average, name: str | None = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list:
+    """Allreduce several arrays at once; returns a list of new arrays."""
+    return synchronize(grouped_allreduce_async(arrays, op, name, prescale_factor, postscale_factor))
+
+
+def grouped_allreduce_(arrays: Sequence, op=ReduceOp.Average, name: str | None = None,
+                       prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list:
+    """Allreduce several arrays in place; returns them."""
+    return synchronize(grouped_allreduce_async_(arrays, op, name, prescale_factor,
+                                                postscale_factor))
+
+
+# -- allgather, broadcast, alltoall, reducescatter ---------------------------------------------
+def allgather_async(array, name: str | None = None) -> Handle:
+    """Start an allgather: every rank's array concatenated on the first dimension."""
+    a = as_array(array, "allgather")
+    if a.ndim == 0:
+        a = a.reshape(1)
+    return _submit(ALLGATHER, a, name)
+
+
+def allgather(array, name: str | None = None) -> np.ndarray:
+    """Concatenate every rank's array along the first dimension (which may differ per rank)."""
+    return synchronize(allgather_async(array, name))
+
+
+def broadcast_async(array, root_rank: int, name: str | None = None) -> Handle:
+    """Start a broadcast from root_rank; the result is a new array."""
+    a = as_array(array, "broadcast")
+    return _submit(BROADCAST, a, name, root=_check_root(root_rank, "broadcast"))
+
+
+def broadcast_async_(array, root_rank: int, name: str | None = None) -> Handle:
+    """Start a broadcast from root_rank into `array`."""
+    a = as_array(array, "broadcast_", inplace=True)
+    return _submit(BROADCAST, a, name, inplace=True, root=_check_root(root_rank, "broadcast_"))
+
+
+def broadcast(array, root_rank: int, name: str | None = None) -> np.ndarray:
+    """root_rank's array on every rank; returns a new array."""
+    return synchronize(broadcast_async(array, root_rank, name))
+
+
+def broadcast_(array, root_rank: int, name: str | None = None) -> np.ndarray:
+    """root_rank's array written into `array` on every rank; returns `array`."""
+    return synchronize(broadcast_async_(array, root_rank, name))
+
+
+def alltoall_async(array, splits=None, name: str | None = None) -> Handle:
+    """Start an alltoall; the result is (received array, received splits)."""
+    a = as_array(array, "alltoall")
+    if a.ndim == 0:
+        raise ValueError("alltoall needs an array with at least one dimension")
+    size = basics.size()
+    if splits is None:
+        if a.shape[0] % size:
+            raise ValueError(f"alltoall: the first dimension ({a.shape[0]}) does not divide "
+                             f"evenly by {size} ranks; pass splits=")
+        splits = [a.shape[0] // size] * size
+    splits = np.asarray(splits).reshape(-1)
+    if splits.dtype.kind not in "iu" or len(splits) != size or (splits < 0).any():
+        raise ValueError(f"alltoall: splits must be {size} non-negative ints (one per rank), "
+                         f"got {splits.tolist()}")
+    if int(splits.sum()) != a.shape[0]:
+        raise ValueError(f"alltoall: splits sum to {int(splits.sum())} but the first "
+                         f"dimension is {a.shape[0]}")
+    return _submit(ALLTOALL, a, name, splits=tuple(int(s) for s in splits))
+
+
+def alltoall(array, splits=None, name: str | None = None):
+    """Send splits[p] rows to rank p; returns (received rows in rank order, received splits)."""
+    return synchronize(alltoall_async(array, splits, name))
+
+
+def reducescatter_async(array, op=ReduceOp.Average, name: str | None = None,
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+    """Start a reduce-scatter over the first dimension."""
+    a = as_array(array, "reducescatter")
+    if a.ndim == 0:
+        raise ValueError("reducescatter needs an array with at least one dimension")
+    op = _check_op(op, "reducescatter", a.dtype)
+    return _submit(REDUCESCATTER, a, name, op=op, prescale=prescale_factor,
+                   postscale=postscale_factor)
+
+
+def reducescatter(array, op=ReduceOp.Average, name: str | None = None,
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> np.ndarray:
+    """Reduce over ranks and keep this rank's share of the first dimension."""
+    return synchronize(reducescatter_async(array, op, name, prescale_factor, postscale_factor))
+
+
+# -- synchronization and objects -----------------------------------------------------------
+def barrier() -> None:
+    """Wait until every rank reaches this barrier."""
+    synchronize(_submit(BARRIER, None, None))
+
+
+def join() -> int:
+    """This rank is out of data: take part in the others' allreduces with zeros until all join.
+
+    Returns the rank that joined last.
+    """
+    engine = basics.engine()
+    req = Request(name=JOIN_NAME, kind=JOIN, array=None, inplace=False,
+                  signature=signature(JOIN, None), handle=Handle(JOIN_NAME), named=False)
+    engine.submit(req)
+    return synchronize(req.handle)
+
+
+def _pickle(obj) -> np.ndarray:
+    import cloudpickle
+
+    return np.frombuffer(cloudpickle.dumps(obj), dtype=np.uint8)
+
+
+def _unpickle(data: np.ndarray):
+    import pickle
+
+    return pickle.loads(data.tobytes())
+
+
+def broadcast_object(obj, root_rank: int = 0, name: str | None = None):
+    """root_rank's Python object on every rank (serialized with cloudpickle)."""
+    root = _check_root(root_rank, "broadcast_object")
+    base = name or basics.engine().auto_name("broadcast_object")
+    payload = _pickle(obj) if basics.rank() == root else np.empty(0, np.uint8)
+    size = broadcast(np.array([payload.size], np.int64), root, name=f"{base}.size")
+    data = payload if basics.rank() == root else np.empty(int(size[0]), np.uint8)
+    received = broadcast(data, root, name=f"{base}.data")
+    return obj if basics.rank() == root else _unpickle(received)
+
+
+def allgather_object(obj, name: str | None = None) -> list:
+    """Every rank's Python object, as a list in rank order."""
+    base = name or basics.engine().auto_name("allgather_object")
+    payload = _pickle(obj)
+    sizes = allgather(np.array([payload.size], np.int64), name=f"{base}.sizes")
+    data = allgather(payload, name=f"{base}.data")
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    return [_unpickle(data[offsets[i]:offsets[i + 1]]) for i in range(len(sizes))]
+
+
+def abort(reason: str) -> None:
+    """Fail every in-flight op on every rank with `reason`; the runtime stays usable."""
+    if basics.is_initialized():
+        basics.engine().abort(reason)
+        # give the abort a moment to reach rank 0 before the caller moves on
+        time.sleep(0.01)

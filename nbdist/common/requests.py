@@ -1,0 +1,157 @@
+"""What a rank submits (Request), what it waits on (Handle), and the agreed answer (Response)."""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from . import errors
+
+# Kinds of op the engine negotiates.
+ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER, JOIN = (
+    "allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "barrier", "join")
+
+
+class Handle:
+    """An in-flight op: poll it, or wait for its result (see ops.synchronize)."""
+
+    __slots__ = ("name", "_event", "_result", "_error", "_callbacks")
+
+    def __init__(self, name: str):
+        self.name = name
+        self._event = threading.Event()
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        """True once the op finished (successfully or not)."""
+        return self._event.is_set()
+
+    def set_result(self, result: Any) -> None:
+        self._result = result
+        self._event.set()
+
+    def set_error(self, error: BaseException) -> None:
+        if not self._event.is_set():
+            self._error = error
+            self._event.set()
+
+    def wait(self, timeout: float | None) -> bool:
+        return self._event.wait(timeout)
+
+    def result(self) -> Any:
+        """The op's result; raises the op's error. Call only when done()."""
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "in flight"
+        return f"<nbdist Handle {self.name!r} {state}>"
+
+
+class GroupHandle(Handle):
+    """One handle over several ops (grouped_allreduce): done when all are done."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, name: str, parts: list[Handle]):
+        super().__init__(name)
+        self.parts = parts
+
+    def done(self) -> bool:
+        return all(p.done() for p in self.parts)
+
+    def wait(self, timeout: float | None) -> bool:
+        for p in self.parts:
+            if not p.wait(timeout):
+                return False
+        return True
+
+    def result(self) -> Any:
+        return [p.result() for p in self.parts]
+
+
+@dataclass(eq=False)
+class Request:
+    """One op submitted on this rank, waiting for the ranks to agree to run it."""
+
+    name: str
+    kind: str
+    array: np.ndarray | None  # the input, C-contiguous (None for barrier/join)
+    inplace: bool  # write the result into `array`
+    signature: tuple  # what the coordinator compares across ranks
+    handle: Handle
+    device: str = "cpu"
+    splits: tuple | None = None  # alltoall: rows sent to each rank
+    named: bool = True  # user-named (cacheable) or auto-named
+
+
+def signature(kind: str, array: np.ndarray | None, op: int = 0, prescale: float = 1.0,
+              postscale: float = 1.0, root: int = -1, device: str = "cpu",
+              splits: tuple | None = None) -> tuple:
+    """The tuple every rank sends for an op; the coordinator compares these."""
+    if array is None:
+        return (kind, None, None, op, prescale, postscale, root, device, splits)
+    return (kind, array.dtype.name, tuple(array.shape), int(op), float(prescale),
+            float(postscale), int(root), device, splits)
+
+
+# Field positions in a signature tuple.
+SIG_KIND, SIG_DTYPE, SIG_SHAPE, SIG_OP, SIG_PRE, SIG_POST, SIG_ROOT, SIG_DEVICE, SIG_SPLITS = range(9)
+
+
+@dataclass
+class Response:
+    """What the coordinator tells every rank to run (or to fail), in order.
+
+    A fused allreduce is one Response with several names and shapes.
+    """
+
+    kind: str
+    names: list[str]
+    dtype: str | None = None
+    shapes: list[tuple] = field(default_factory=list)  # per name (the agreed shape)
+    op: int = 0
+    prescale: float = 1.0
+    postscale: float = 1.0
+    root: int = -1
+    device: str = "cpu"
+    first_dims: list[list[int]] | None = None  # allgather/alltoall: per name, rows per rank
+    splits: list[list[int]] | None = None  # alltoall: splits[src][dst]
+    joined: tuple = ()  # ranks that joined (contribute zeros / nothing)
+    last_joined: int = -1  # join: the last rank to join
+    error: tuple | None = None  # (exception class name, message)
+    targets: tuple | None = None  # error: the ranks that must fail it (None: all)
+    cache_id: int = -1  # >= 0: every rank caches this response under that id
+
+    def nbytes(self) -> int:
+        """Bytes of an allreduce's data, to bound fusion."""
+        item = np.dtype(_numpy_dtype(self.dtype)).itemsize if self.dtype else 0
+        return sum(int(np.prod(s)) for s in self.shapes) * item
+
+
+def _numpy_dtype(name: str):
+    if name == "bfloat16":
+        from .ops_base import BFLOAT16
+        return BFLOAT16
+    return np.dtype(name)
+
+
+numpy_dtype: Callable[[str], np.dtype] = _numpy_dtype
+
+ERROR_CLASSES = {
+    "MismatchError": errors.MismatchError,
+    "CollectiveTimeoutError": errors.CollectiveTimeoutError,
+    "AbortedError": errors.AbortedError,
+    "CollectiveError": errors.CollectiveError,
+    "ValueError": ValueError,
+}
+
+
+def make_error(error: tuple) -> BaseException:
+    """Turn a response's (class name, message) into the exception to raise."""
+    cls_name, message = error
+    return ERROR_CLASSES.get(cls_name, errors.CollectiveError)(message)
