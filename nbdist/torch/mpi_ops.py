@@ -1,0 +1,547 @@
+"""Horovod's tensor collectives on torch tensors, built on nbdist.common.
+
+Every op has Horovod's name, signature and defaults. The async forms return a Handle
+for `poll()`/`synchronize()`; the sync forms are `synchronize(async form)`. Out-of-place
+ops give a fresh tensor and never touch their input; the `_` forms write into it.
+allreduce, grouped_allreduce, allgather, broadcast, alltoall and reducescatter are
+differentiable, with the gradients Horovod defines.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Callable, Sequence
+
+import torch
+
+from nbdist import common as _c
+from nbdist.common.ops_base import ReduceOp
+
+from . import tensor_util as _tu
+from .compression import Compression
+from .process_sets import check_process_set, global_process_set
+
+Average = ReduceOp.Average
+Sum = ReduceOp.Sum
+Adasum = ReduceOp.Adasum
+Min = ReduceOp.Min
+Max = ReduceOp.Max
+Product = ReduceOp.Product
+
+_ADASUM_MESSAGE = ("op=Adasum is not implemented in nbdist yet; use op=hvd.Average "
+                   "(the default) or op=hvd.Sum")
+
+
+class Handle:
+    """An in-flight torch collective: pass it to poll() or synchronize().
+
+    It keeps the tensors the engine reads or writes alive until the op is done, and
+    turns the engine's result into what Horovod's synchronize() returns.
+    """
+
+    __slots__ = ("inner", "_finish", "_keep", "_state", "_output", "__weakref__")
+
+    def __init__(self, inner, finish: Callable, keep: tuple = ()):
+        self.inner = inner
+        self._finish = finish
+        self._keep = keep
+        self._state = "in flight"
+        self._output = None
+
+    def poll(self) -> bool:
+        return self._state != "in flight" or bool(_c.poll(self.inner))
+
+    def wait(self):
+        if self._state == "done":
+            return self._output
+        try:
+            result = _c.synchronize(self.inner)
+        finally:
+            self._keep = ()
+        self._output = self._finish(result)
+        self._state = "done"
+        self._finish = None
+        return self._output
+
+    def __repr__(self) -> str:
+        return f"<nbdist.torch Handle {getattr(self.inner, 'name', '?')!r} {self._state}>"
+
+
+def poll(handle) -> bool:
+    """True when the op behind `handle` is done, so synchronize() will not block."""
+    if isinstance(handle, Handle):
+        return handle.poll()
+    return bool(_c.poll(handle))
+
+
+def synchronize(handle):
+    """Wait for an async op and return its result (raises the op's error on this rank)."""
+    if handle is None:
+        return None
+    if isinstance(handle, Handle):
+        return handle.wait()
+    return _c.synchronize(handle)
+
+
+def handle_average_backwards_compatibility(op, average):
+    """Horovod's rule for the deprecated `average` argument: op wins, never both."""
+    if op is not None:
+        if average is not None:
+            raise ValueError("The op parameter supersedes average. Please provide only one of them.")
+        return op
+    if average is not None:
+        warnings.warn("Parameter `average` has been replaced with `op` and will be removed",
+                      DeprecationWarning, stacklevel=3)
+        return Average if average else Sum
+    return Average
+
+
+def _reduce_op(op, average, what: str) -> ReduceOp:
+    op = handle_average_backwards_compatibility(op, average)
+    try:
+        op = ReduceOp(int(op))
+    except (TypeError, ValueError):
+        raise ValueError(f"{what}: unknown reduction op {op!r}; use hvd.Average, hvd.Sum, "
+                         "hvd.Min, hvd.Max or hvd.Product") from None
+    if op == Adasum:
+        raise NotImplementedError(f"{what}: {_ADASUM_MESSAGE}")
+    return op
+
+
+def _to_result(like: torch.Tensor) -> Callable:
+    return lambda result: _tu.to_tensor(result, like)
+
+
+def _inplace(tensor: torch.Tensor, what: str, reduction: bool, submit: Callable) -> Handle:
+    """Run `submit(buffer)` so that the result lands in `tensor` itself."""
+    _tu.check_tensor(tensor, what, reduction=reduction)
+    target = tensor.detach()
+    staging = target if target.is_contiguous() else target.contiguous()
+    inner = submit(_tu.as_buffer(staging))
+
+    def finish(_result):
+        if staging is not target:  # a non-contiguous tensor: copy the result back into it
+            target.copy_(staging)
+        return tensor
+
+    return Handle(inner, finish, keep=(staging,))
+
+
+# ---------------------------------------------------------------- allreduce
+
+def _allreduce_submit(tensor, name, op, prescale_factor, postscale_factor) -> Handle:
+    _tu.check_tensor(tensor, "allreduce", reduction=True)
+    src = _tu.contiguous_input(tensor)
+    inner = _c.allreduce_async(_tu.as_buffer(src), op=op, name=name,
+                               prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+    return Handle(inner, _to_result(tensor), keep=(src,))
+
+
+def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+                    postscale_factor=1.0, process_set=global_process_set) -> Handle:
+    """Start averaging (or reducing with `op`) `tensor` over all ranks; the input is not changed."""
+    op = _reduce_op(op, average, "allreduce_async")
+    check_process_set(process_set, "allreduce_async")
+    return _allreduce_submit(tensor, name, op, prescale_factor, postscale_factor)
+
+
+def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+                     postscale_factor=1.0, process_set=global_process_set) -> Handle:
+    """Start an in-place allreduce: `tensor` holds the result once synchronize() returns."""
+    op = _reduce_op(op, average, "allreduce_async_")
+    check_process_set(process_set, "allreduce_async_")
+    return _inplace(tensor, "allreduce_async_", True, lambda buf: _c.allreduce_async_(
+        buf, op=op, name=name, prescale_factor=prescale_factor, postscale_factor=postscale_factor))
+
+
+def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+               postscale_factor=1.0, process_set=global_process_set) -> torch.Tensor:
+    """In-place allreduce; returns `tensor`."""
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
+                                        postscale_factor, process_set))
+
+
+class _Allreduce(torch.autograd.Function):
+    """allreduce whose gradient is the same allreduce of the incoming gradient (Horovod)."""
+
+    @staticmethod
+    def forward(ctx, tensor, name, op, prescale_factor, postscale_factor):
+        ctx.op, ctx.pre, ctx.post = op, prescale_factor, postscale_factor
+        return synchronize(_allreduce_submit(tensor, name, op, prescale_factor, postscale_factor))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad = synchronize(_allreduce_submit(grad_output, None, ctx.op, ctx.pre, ctx.post))
+        return grad, None, None, None, None
+
+
+def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
+              prescale_factor=1.0, postscale_factor=1.0,
+              process_set=global_process_set) -> torch.Tensor:
+    """Average (or reduce with `op`) `tensor` over all ranks into a new tensor; differentiable."""
+    op = _reduce_op(op, average, "allreduce")
+    check_process_set(process_set, "allreduce")
+    compressed, ctx = compression.compress(tensor)
+    reduced = _Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor)
+    return compression.decompress(reduced, ctx)
+
+
+# ---------------------------------------------------------------- grouped allreduce
+
+def _check_group(tensors, what: str) -> list:
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
+        raise TypeError(f"{what}: expected a list of tensors, got {type(tensors).__name__}")
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError(f"{what}: the list of tensors is empty")
+    for t in tensors:
+        _tu.check_tensor(t, what, reduction=True)
+    return tensors
+
+
+def _grouped_submit(tensors, name, op, prescale_factor, postscale_factor) -> Handle:
+    tensors = _check_group(tensors, "grouped_allreduce")
+    srcs = [_tu.contiguous_input(t) for t in tensors]
+    inner = _c.grouped_allreduce_async([_tu.as_buffer(s) for s in srcs], op=op, name=name,
+                                       prescale_factor=prescale_factor,
+                                       postscale_factor=postscale_factor)
+
+    def finish(results):
+        return [_tu.to_tensor(r, t) for r, t in zip(results, tensors)]
+
+    return Handle(inner, finish, keep=tuple(srcs))
+
+
+def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                            postscale_factor=1.0, process_set=global_process_set) -> Handle:
+    """Start one allreduce over a list of tensors; synchronize() returns a list of new tensors."""
+    op = _reduce_op(op, average, "grouped_allreduce_async")
+    check_process_set(process_set, "grouped_allreduce_async")
+    return _grouped_submit(tensors, name, op, prescale_factor, postscale_factor)
+
+
+def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                             postscale_factor=1.0, process_set=global_process_set) -> Handle:
+    """Start an in-place grouped allreduce: each tensor holds its result after synchronize()."""
+    op = _reduce_op(op, average, "grouped_allreduce_async_")
+    check_process_set(process_set, "grouped_allreduce_async_")
+    tensors = _check_group(tensors, "grouped_allreduce_async_")
+    targets = [t.detach() for t in tensors]
+    stagings = [t if t.is_contiguous() else t.contiguous() for t in targets]
+    inner = _c.grouped_allreduce_async_([_tu.as_buffer(s) for s in stagings], op=op, name=name,
+                                        prescale_factor=prescale_factor,
+                                        postscale_factor=postscale_factor)
+
+    def finish(_results):
+        for target, staging in zip(targets, stagings):
+            if staging is not target:
+                target.copy_(staging)
+        return tensors
+
+    return Handle(inner, finish, keep=tuple(stagings))
+
+
+def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                       postscale_factor=1.0, process_set=global_process_set) -> list:
+    """In-place grouped allreduce; returns the list of tensors."""
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
+                                                postscale_factor, process_set))
+
+
+class _GroupedAllreduce(torch.autograd.Function):
+    """grouped_allreduce whose gradients are the grouped allreduce of the incoming gradients."""
+
+    @staticmethod
+    def forward(ctx, name, op, prescale_factor, postscale_factor, *tensors):
+        ctx.op, ctx.pre, ctx.post = op, prescale_factor, postscale_factor
+        return tuple(synchronize(_grouped_submit(list(tensors), name, op, prescale_factor,
+                                                 postscale_factor)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        reduced = synchronize(_grouped_submit(list(grads), None, ctx.op, ctx.pre, ctx.post))
+        return (None, None, None, None, *reduced)
+
+
+def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
+                      prescale_factor=1.0, postscale_factor=1.0,
+                      process_set=global_process_set) -> list:
+    """Allreduce a list of tensors as one op (fused); returns new tensors; differentiable."""
+    op = _reduce_op(op, average, "grouped_allreduce")
+    check_process_set(process_set, "grouped_allreduce")
+    tensors = _check_group(tensors, "grouped_allreduce")
+    compressed, ctxs = zip(*[compression.compress(t) for t in tensors])
+    reduced = _GroupedAllreduce.apply(name, op, prescale_factor, postscale_factor, *compressed)
+    return [compression.decompress(t, ctx) for t, ctx in zip(reduced, ctxs)]
+
+
+# ---------------------------------------------------------------- allgather
+
+def _allgather_submit(tensor, name) -> Handle:
+    _tu.check_tensor(tensor, "allgather")
+    src = _tu.contiguous_input(tensor)
+    inner = _c.allgather_async(_tu.as_buffer(src), name=name)
+    return Handle(inner, _to_result(tensor), keep=(src,))
+
+
+def allgather_async(tensor, name=None, process_set=global_process_set) -> Handle:
+    """Start concatenating every rank's `tensor` along dimension 0 (which may differ per rank)."""
+    check_process_set(process_set, "allgather_async")
+    return _allgather_submit(tensor, name)
+
+
+class _Allgather(torch.autograd.Function):
+    """allgather whose gradient is this rank's rows of the averaged gradient (Horovod)."""
+
+    @staticmethod
+    def forward(ctx, tensor, name):
+        ctx.rows = tensor.shape[0] if tensor.dim() > 0 else 1
+        return synchronize(_allgather_submit(tensor, name))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        averaged = synchronize(_allreduce_submit(grad_output, None, Average, 1.0, 1.0))
+        rows = synchronize(_allgather_submit(torch.tensor([ctx.rows], dtype=torch.int64), None))
+        offset = int(rows[:_c.rank()].sum().item())
+        return averaged.narrow(0, offset, ctx.rows), None
+
+
+def allgather(tensor, name=None, process_set=global_process_set) -> torch.Tensor:
+    """Concatenate every rank's `tensor` along dimension 0 into a new tensor; differentiable."""
+    check_process_set(process_set, "allgather")
+    return _Allgather.apply(tensor, name)
+
+
+def grouped_allgather_async(tensors, name=None, process_set=global_process_set) -> Handle:
+    """Start an allgather of each tensor in a list; synchronize() returns the list of results."""
+    check_process_set(process_set, "grouped_allgather_async")
+    handles = [allgather_async(t, name=None if name is None else f"{name}.{i}")
+               for i, t in enumerate(tensors)]
+    return _ListHandle(handles)
+
+
+def grouped_allgather(tensors, name=None, process_set=global_process_set) -> list:
+    """Allgather each tensor in a list (not differentiable as a group)."""
+    return synchronize(grouped_allgather_async(tensors, name, process_set))
+
+
+class _ListHandle(Handle):
+    """Several torch handles waited on as one."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: list):
+        super().__init__(None, None)
+        self.parts = parts
+
+    def poll(self) -> bool:
+        return all(p.poll() for p in self.parts)
+
+    def wait(self):
+        if self._state != "done":
+            errors = []
+            outputs = []
+            for part in self.parts:  # wait for all, so none is left in flight on error
+                try:
+                    outputs.append(part.wait())
+                except BaseException as exc:  # noqa: BLE001 - re-raised below
+                    errors.append(exc)
+            if errors:
+                raise errors[0]
+            self._output, self._state = outputs, "done"
+        return self._output
+
+
+# ---------------------------------------------------------------- broadcast
+
+def _check_root(root_rank, what: str) -> int:
+    try:
+        root = int(root_rank)
+    except (TypeError, ValueError):
+        raise TypeError(f"{what}: root_rank must be an int, got {root_rank!r}") from None
+    if not 0 <= root < _c.size():
+        raise ValueError(f"{what} on rank {_c.rank()}: root_rank {root} is out of range "
+                         f"for {_c.size()} ranks")
+    return root
+
+
+def _broadcast_submit(tensor, root_rank, name) -> Handle:
+    _tu.check_tensor(tensor, "broadcast")
+    root = _check_root(root_rank, "broadcast")
+    src = _tu.contiguous_input(tensor)
+    inner = _c.broadcast_async(_tu.as_buffer(src), root, name=name)
+    return Handle(inner, _to_result(tensor), keep=(src,))
+
+
+def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> Handle:
+    """Start sending root_rank's `tensor` to every rank, into a new tensor."""
+    check_process_set(process_set, "broadcast_async")
+    return _broadcast_submit(tensor, root_rank, name)
+
+
+def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set) -> Handle:
+    """Start an in-place broadcast: `tensor` holds root_rank's values after synchronize()."""
+    check_process_set(process_set, "broadcast_async_")
+    root = _check_root(root_rank, "broadcast_async_")
+    return _inplace(tensor, "broadcast_async_", False,
+                    lambda buf: _c.broadcast_async_(buf, root, name=name))
+
+
+def broadcast_(tensor, root_rank, name=None, process_set=global_process_set) -> torch.Tensor:
+    """In-place broadcast; returns `tensor`."""
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+
+
+class _Broadcast(torch.autograd.Function):
+    """broadcast whose gradient is the averaged gradient on the root and zero elsewhere (Horovod)."""
+
+    @staticmethod
+    def forward(ctx, tensor, root_rank, name):
+        ctx.root = root_rank
+        return synchronize(_broadcast_submit(tensor, root_rank, name))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad = synchronize(_allreduce_submit(grad_output, None, Average, 1.0, 1.0))
+        if _c.rank() != ctx.root:
+            grad.zero_()
+        return grad, None, None
+
+
+def broadcast(tensor, root_rank, name=None, process_set=global_process_set) -> torch.Tensor:
+    """root_rank's `tensor` on every rank, as a new tensor; differentiable."""
+    check_process_set(process_set, "broadcast")
+    return _Broadcast.apply(tensor, root_rank, name)
+
+
+# ---------------------------------------------------------------- alltoall
+
+def _alltoall_submit(tensor, splits, name) -> Handle:
+    _tu.check_tensor(tensor, "alltoall")
+    split_list = _tu.int_list(splits, "alltoall")
+    src = _tu.contiguous_input(tensor)
+    inner = _c.alltoall_async(_tu.as_buffer(src), splits=split_list, name=name)
+
+    def finish(result):
+        received, received_splits = result
+        return (_tu.to_tensor(received, tensor),
+                torch.as_tensor(list(map(int, received_splits)), dtype=torch.int32))
+
+    return Handle(inner, finish, keep=(src,))
+
+
+def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set) -> Handle:
+    """Start sending splits[p] rows of `tensor` to rank p; synchronize() gives (received, received_splits)."""
+    check_process_set(process_set, "alltoall_async")
+    return _alltoall_submit(tensor, splits, name)
+
+
+class _Alltoall(torch.autograd.Function):
+    """alltoall whose gradient is the alltoall of the gradient back along the received splits."""
+
+    @staticmethod
+    def forward(ctx, tensor, splits, name):
+        received, received_splits = synchronize(_alltoall_submit(tensor, splits, name))
+        ctx.received_splits = received_splits
+        ctx.mark_non_differentiable(received_splits)
+        return received, received_splits
+
+    @staticmethod
+    def backward(ctx, grad_output, _grad_splits):
+        grad, _ = synchronize(_alltoall_submit(grad_output, ctx.received_splits, None))
+        return grad, None, None
+
+
+def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
+    """Scatter rows of `tensor` to the ranks and gather theirs; differentiable.
+
+    As in Horovod >= 0.26: returns `received` when splits is None, else
+    `(received, received_splits)`.
+    """
+    check_process_set(process_set, "alltoall")
+    received, received_splits = _Alltoall.apply(tensor, splits, name)
+    return received if splits is None else (received, received_splits)
+
+
+# ---------------------------------------------------------------- reducescatter
+
+def _reducescatter_submit(tensor, name, op, prescale_factor, postscale_factor) -> Handle:
+    _tu.check_tensor(tensor, "reducescatter", reduction=True)
+    src = _tu.contiguous_input(tensor)
+    inner = _c.reducescatter_async(_tu.as_buffer(src), op=op, name=name,
+                                   prescale_factor=prescale_factor,
+                                   postscale_factor=postscale_factor)
+    return Handle(inner, _to_result(tensor), keep=(src,))
+
+
+def _scatter_op(op, what: str) -> ReduceOp:
+    op = _reduce_op(op, None, what)
+    if op not in (Average, Sum):
+        raise ValueError(f"{what}: reducescatter supports op=hvd.Average or hvd.Sum, got {op.name}")
+    return op
+
+
+def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set,
+                        prescale_factor=1.0, postscale_factor=1.0) -> Handle:
+    """Start reducing `tensor` over ranks; rank r gets its share of dimension 0."""
+    op = _scatter_op(op, "reducescatter_async")
+    check_process_set(process_set, "reducescatter_async")
+    return _reducescatter_submit(tensor, name, op, prescale_factor, postscale_factor)
+
+
+class _Reducescatter(torch.autograd.Function):
+    """reducescatter whose gradient is the allgather of the gradient (scaled as the forward)."""
+
+    @staticmethod
+    def forward(ctx, tensor, name, op, prescale_factor, postscale_factor):
+        ctx.scale = prescale_factor * postscale_factor / (_c.size() if op == Average else 1)
+        return synchronize(_reducescatter_submit(tensor, name, op, prescale_factor,
+                                                 postscale_factor))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad = synchronize(_allgather_submit(grad_output, None))
+        if ctx.scale != 1:
+            grad = grad * ctx.scale
+        return grad, None, None, None, None
+
+
+def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
+                  process_set=global_process_set, prescale_factor=1.0,
+                  postscale_factor=1.0) -> torch.Tensor:
+    """Reduce `tensor` over ranks and keep this rank's rows, as a new tensor; differentiable."""
+    op = _scatter_op(op, "reducescatter")
+    check_process_set(process_set, "reducescatter")
+    compressed, ctx = compression.compress(tensor)
+    out = _Reducescatter.apply(compressed, name, op, prescale_factor, postscale_factor)
+    return compression.decompress(out, ctx)
+
+
+def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
+                                prescale_factor=1.0, postscale_factor=1.0) -> Handle:
+    """Start a reducescatter of each tensor in a list; synchronize() returns the list."""
+    return _ListHandle([reducescatter_async(t, None if name is None else f"{name}.{i}", op,
+                                            process_set, prescale_factor, postscale_factor)
+                        for i, t in enumerate(tensors)])
+
+
+def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
+                          process_set=global_process_set, prescale_factor=1.0,
+                          postscale_factor=1.0) -> list:
+    """Reducescatter each tensor in a list."""
+    compressed, ctxs = zip(*[compression.compress(t) for t in tensors])
+    outs = synchronize(grouped_reducescatter_async(list(compressed), name, op, process_set,
+                                                   prescale_factor, postscale_factor))
+    return [compression.decompress(o, c) for o, c in zip(outs, ctxs)]
+
+
+# ---------------------------------------------------------------- control
+
+def join(device=-1) -> int:
+    """Mark this rank done with its data; returns the rank that joined last (Horovod's join)."""
+    return int(_c.join())
+
+
+def barrier(process_set=global_process_set) -> None:
+    """Wait until every rank reaches this call."""
+    check_process_set(process_set, "barrier")
+    _c.barrier()

@@ -1,0 +1,115 @@
+"""Turn torch tensors into the buffers nbdist.common moves, and results back into tensors.
+
+CPU tensors become numpy views of their own storage (no copy when contiguous), so an
+in-place collective writes straight into the tensor. bfloat16 has no numpy dtype; it
+travels as an ml_dtypes.bfloat16 view of the same bytes. CUDA tensors are handed over
+as they are (they expose __cuda_array_interface__ and __dlpack__) for the NCCL path.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from nbdist.common.ops_base import BFLOAT16
+
+# torch dtypes the collectives accept, and whether reductions make sense for them.
+_REDUCIBLE = {
+    torch.float16, torch.bfloat16, torch.float32, torch.float64,
+    torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
+}
+for _name in ("uint16", "uint32", "uint64"):  # torch >= 2.3 has these (few ops work on them)
+    if hasattr(torch, _name):
+        _REDUCIBLE.add(getattr(torch, _name))
+SUPPORTED = _REDUCIBLE | {torch.bool}
+
+
+def _rank() -> str:
+    from nbdist import common
+    try:
+        return f"rank {common.rank()}"
+    except Exception:  # not initialized: the collective call itself will say so
+        return "this rank"
+
+
+def check_tensor(tensor, what: str, reduction: bool = False) -> None:
+    """TypeError, naming the op and the rank, for anything that is not a supported tensor."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what} on {_rank()}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.is_sparse or tensor.layout != torch.strided:
+        raise TypeError(f"{what} on {_rank()}: {tensor.layout} tensors are not supported; "
+                        "pass a dense tensor (tensor.to_dense())")
+    allowed = _REDUCIBLE if reduction else SUPPORTED
+    if tensor.dtype not in allowed:
+        kind = "reductions" if reduction and tensor.dtype in SUPPORTED else "collectives"
+        raise TypeError(f"{what} on {_rank()}: dtype {tensor.dtype} is not supported by {kind}")
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise TypeError(f"{what} on {_rank()}: tensors on {tensor.device} are not supported "
+                        "(CPU and CUDA only)")
+    if tensor.is_cuda:
+        from nbdist import common
+        if not common.nccl_built():
+            raise RuntimeError(
+                f"{what} on {_rank()}: the tensor is on {tensor.device}, but the NCCL path is "
+                "not available on this machine (nbdist.common.nccl_built() is False); "
+                "move it to the CPU with .cpu(), or run where libnccl loads")
+
+
+def numpy_view(tensor: torch.Tensor) -> np.ndarray:
+    """A numpy array sharing the storage of a contiguous CPU tensor."""
+    t = tensor.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(BFLOAT16)
+    return t.numpy()
+
+
+def as_buffer(tensor: torch.Tensor):
+    """What nbdist.common receives for `tensor` (must be contiguous): a numpy view or the CUDA tensor."""
+    if tensor.is_cuda:
+        # The engine reads the memory from its own thread/stream: finish the producers first.
+        torch.cuda.current_stream(tensor.device).synchronize()
+        return tensor.detach()
+    return numpy_view(tensor)
+
+
+def contiguous_input(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor itself when contiguous (zero copy), else a contiguous copy."""
+    t = tensor.detach()
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def to_tensor(result, like: torch.Tensor) -> torch.Tensor:
+    """A result buffer from nbdist.common as a tensor of `like`'s dtype and device (no copy on CPU)."""
+    if isinstance(result, torch.Tensor):
+        return result
+    if like.is_cuda:
+        if hasattr(result, "__dlpack__"):
+            return torch.from_dlpack(result)
+        return torch.as_tensor(result, device=like.device)
+    array = np.asarray(result)
+    if not array.flags.writeable:  # torch warns on read-only arrays; results should be ours
+        array = array.copy()
+    if like.dtype == torch.bfloat16:
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    out = torch.from_numpy(array)
+    if out.dtype != like.dtype:  # e.g. an engine that widened the type; give back the input's
+        out = out.to(like.dtype)
+    return out
+
+
+def int_list(values, what: str) -> list[int] | None:
+    """Splits given as a list, tuple, numpy array or tensor, as a list of ints (None stays None)."""
+    if values is None:
+        return None
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().reshape(-1).tolist()
+    elif isinstance(values, np.ndarray):
+        values = values.reshape(-1).tolist()
+    try:
+        return [int(v) for v in values]
+    except (TypeError, ValueError):
+        raise TypeError(f"{what} on {_rank()}: splits must be a sequence of integers, "
+                        f"got {values!r}") from None
