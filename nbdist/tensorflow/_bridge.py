@@ -1,0 +1,113 @@
+"""Run nbdist.common collectives on TensorFlow tensors, eagerly or inside a tf.function.
+
+Eagerly a collective is a direct call on the tensors' numpy values. Inside a graph it
+becomes two stateful ops: *submit* (hands the arrays to the runtime, returns a handle
+id at once) and *wait* (blocks until the result is ready). Splitting them matters:
+TensorFlow's executor runs blocking Python ops on a small thread pool, and one op that
+both submitted and waited could block the only thread before this rank submitted the
+op a peer is waiting for. With the split every submit is cheap, and each new submit in
+a graph carries a control dependency on the previous one, so a rank submits in the
+order the program traced, and the waits may finish in any order.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Callable, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+# A submit callable takes numpy arrays and returns a `wait` callable that blocks and
+# returns the list of result arrays.
+Submit = Callable[..., Callable[[], list]]
+
+_pending: dict[int, Callable[[], list]] = {}
+_pending_lock = threading.Lock()
+_handle_ids = itertools.count(1)
+
+# The attribute on a FuncGraph that remembers its last submit op (the program order).
+_LAST_SUBMIT = "_nbdist_last_submit"
+
+
+def executing_eagerly() -> bool:
+    """True outside any graph being traced (tf.function, Keras' train_function)."""
+    return tf.executing_eagerly()
+
+
+def to_numpy(value) -> np.ndarray:
+    """The numpy value of an eager tensor, variable (tf or Keras 3) or array."""
+    if isinstance(value, np.ndarray):
+        return value
+    return np.asarray(tf.convert_to_tensor(value).numpy())
+
+
+def in_xla_context() -> bool:
+    """True while tracing a function compiled with XLA (jit_compile=True)."""
+    try:
+        from tensorflow.python.ops import control_flow_util
+
+        return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+    except Exception:  # pragma: no cover - private TF helper moved
+        return False
+
+
+def _register(wait: Callable[[], list]) -> np.int64:
+    with _pending_lock:
+        handle = next(_handle_ids)
+        _pending[handle] = wait
+    return np.int64(handle)
+
+
+def _take(handle) -> Callable[[], list]:
+    with _pending_lock:
+        return _pending.pop(int(handle))
+
+
+def run(submit: Submit, inputs: Sequence, out_dtypes: Sequence[tf.DType],
+        out_shapes: Sequence, what: str) -> list:
+    """Run one collective step on `inputs`; returns tensors of `out_dtypes` / `out_shapes`.
+
+    `what` names the operation in error messages (e.g. "allreduce 'grad.dense/kernel'").
+    """
+    out_dtypes = [tf.as_dtype(d) for d in out_dtypes]
+    if executing_eagerly():
+        arrays = [to_numpy(t) for t in inputs]
+        results = submit(*arrays)()
+        return [tf.convert_to_tensor(np.asarray(r, dtype=d.as_numpy_dtype))
+                for r, d in zip(results, out_dtypes)]
+    if in_xla_context():
+        raise RuntimeError(
+            f"{what}: nbdist collectives cannot run inside an XLA-compiled function. Compile "
+            "the model with model.compile(..., jit_compile=False), or use "
+            "@tf.function(jit_compile=False).")
+
+    def _submit(*arrays):
+        return _register(submit(*arrays))
+
+    def _wait(handle):
+        results = _take(handle)()
+        # numpy_function insists on the exact declared dtypes.
+        return [np.ascontiguousarray(np.asarray(r, dtype=d.as_numpy_dtype))
+                for r, d in zip(results, out_dtypes)]
+
+    graph = tf.compat.v1.get_default_graph()
+    previous = getattr(graph, _LAST_SUBMIT, None)
+    deps = [previous] if previous is not None else []
+    with tf.control_dependencies(deps):
+        handle = tf.numpy_function(_submit, list(inputs), tf.int64, stateful=True,
+                                   name="NbdistSubmit")
+    setattr(graph, _LAST_SUBMIT, handle.op)
+    if not out_dtypes:
+        # Nothing comes back (e.g. a check): the wait still has to run for its error.
+        done = tf.numpy_function(lambda h: (_take(h)(), np.int64(0))[1], [handle], tf.int64,
+                                 stateful=True, name="NbdistWait")
+        return [done]
+    outputs = tf.numpy_function(_wait, [handle], list(out_dtypes), stateful=True,
+                                name="NbdistWait")
+    if not isinstance(outputs, (list, tuple)):
+        outputs = [outputs]
+    outputs = list(outputs)
+    for tensor, shape in zip(outputs, out_shapes):
+        tensor.set_shape(shape)
+    return outputs

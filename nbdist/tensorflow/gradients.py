@@ -1,0 +1,114 @@
+"""Average a step's gradients over ranks: the one routine behind the tape and the optimizer.
+
+All gradients of one call go through one submit/wait pair, so a step costs two Python
+ops in a graph however many variables the model has, and no ordering between ranks is
+needed. Dense gradients are allreduced (fused by the runtime); tf.IndexedSlices (e.g.
+from an embedding lookup) are allgathered as values + indices, or densified first with
+sparse_as_dense=True. Each op is named after its variable, so ranks match them by name.
+
+Reduced gradients are marked, so that a DistributedOptimizer handed gradients that a
+DistributedGradientTape already reduced does not reduce them a second time.
+"""
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from nbdist import common as _c
+
+from . import _bridge, _naming
+from .compression import Compression
+from .mpi_ops import resolve_op
+
+_MARK = "_nbdist_reduced"
+
+
+def mark_reduced(grad):
+    """Remember that `grad` holds the ranks' reduced value; returns it."""
+    if grad is not None:
+        try:
+            setattr(grad, _MARK, True)
+        except (AttributeError, TypeError):  # an object that takes no attributes
+            pass
+    return grad
+
+
+def is_reduced(grad) -> bool:
+    """True for a gradient that came out of reduce_gradients (a distributed tape)."""
+    return bool(getattr(grad, _MARK, False))
+
+
+def _scale_factors(op, gradient_predivide_factor, what):
+    if gradient_predivide_factor == 1.0:
+        return 1.0, 1.0
+    if int(op) != int(_c.Average):
+        raise ValueError(f"{what}: gradient_predivide_factor needs op=Average")
+    # Divide before summing (less overflow in fp16), the rest after: the result is still
+    # the average.
+    return 1.0 / gradient_predivide_factor, gradient_predivide_factor
+
+
+def reduce_gradients(grads, variables, prefix: str, op=None, compression=Compression.none,
+                     sparse_as_dense=False, gradient_predivide_factor=1.0) -> list:
+    """The gradients averaged (or `op`-reduced) over ranks, in the order given; None stays None.
+
+    `variables` name the ops (one per gradient); `prefix` tells apart the callers, e.g.
+    "DistributedGradientTape" and "DistributedOptimizer".
+    """
+    op = resolve_op(op, None, prefix)
+    grads = list(grads)
+    variables = list(variables) if variables is not None else [None] * len(grads)
+    if len(variables) != len(grads):
+        raise ValueError(f"{prefix}: {len(grads)} gradients for {len(variables)} variables")
+    if _c.size() == 1:
+        return [mark_reduced(g) for g in grads]
+    prescale, postscale = _scale_factors(op, gradient_predivide_factor, prefix)
+    names = [f"{prefix}.{n}" for n in _naming.variable_names(variables)]
+
+    dense_at, sparse_at, inputs, contexts = [], [], [], []
+    for i, g in enumerate(grads):
+        if g is None:
+            continue
+        if isinstance(g, tf.IndexedSlices):
+            if sparse_as_dense:
+                g = tf.convert_to_tensor(g)
+            else:
+                sparse_at.append(i)
+                continue
+        compressed, ctx = compression.compress(tf.convert_to_tensor(g))
+        dense_at.append(i)
+        inputs.append(compressed)
+        contexts.append(ctx)
+    for i in sparse_at:
+        inputs.extend([grads[i].values, grads[i].indices])
+    if not inputs:
+        return grads
+
+    n_dense = len(dense_at)
+    op_names = [names[i] for i in dense_at]
+    for i in sparse_at:
+        op_names.extend([f"{names[i]}.values", f"{names[i]}.indices"])
+
+    def submit(*arrays):
+        handles = [_c.allreduce_async(a, op=op, name=n, prescale_factor=prescale,
+                                      postscale_factor=postscale)
+                   for a, n in zip(arrays[:n_dense], op_names[:n_dense])]
+        handles += [_c.allgather_async(a, name=n)
+                    for a, n in zip(arrays[n_dense:], op_names[n_dense:])]
+        return lambda: [_c.synchronize(h) for h in handles]
+
+    shapes = [t.shape for t in inputs[:n_dense]]
+    shapes += [tf.TensorShape([None]).concatenate(t.shape[1:]) for t in inputs[n_dense:]]
+    outputs = _bridge.run(submit, inputs, [t.dtype for t in inputs], shapes,
+                          f"{prefix} gradient reduction")
+
+    result = list(grads)
+    for k, i in enumerate(dense_at):
+        result[i] = compression.decompress(outputs[k], contexts[k])
+    sparse_scale = prescale * postscale / (_c.size() if int(op) == int(_c.Average) else 1)
+    for k, i in enumerate(sparse_at):
+        values, indices = outputs[n_dense + 2 * k], outputs[n_dense + 2 * k + 1]
+        if sparse_scale != 1.0:
+            values = values * tf.cast(sparse_scale, values.dtype)
+        result[i] = tf.IndexedSlices(values, indices, dense_shape=grads[i].dense_shape)
+    return [mark_reduced(g) for g in result]

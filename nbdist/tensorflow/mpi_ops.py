@@ -1,0 +1,301 @@
+"""Horovod's collectives on tf.Tensor / tf.Variable, eager and in tf.function, differentiable.
+
+Each collective is a raw step (nbdist.common through _bridge) wrapped in
+tf.custom_gradient with Horovod's gradient rules:
+  allreduce        -> allreduce of the gradient, same op and scale factors
+  grouped_allreduce-> grouped allreduce of the gradients
+  allgather        -> average of the gradient over ranks, this rank's rows of it
+  broadcast        -> average of the gradient on the root, zeros elsewhere
+  alltoall         -> alltoall of the gradient back with the received splits
+  reducescatter    -> allgather of the gradient (times size for Sum)
+"""
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from nbdist import common as _c
+
+from . import _bridge, _naming
+from .compression import Compression
+
+Average, Sum, Adasum, Min, Max, Product = (_c.Average, _c.Sum, _c.Adasum, _c.Min, _c.Max,
+                                           _c.Product)
+_DIFFERENTIABLE_REDUCTIONS = (int(_c.Average), int(_c.Sum))
+
+
+# -- argument handling ---------------------------------------------------------------------
+def resolve_op(op, average, what: str):
+    """Horovod's `average=` (deprecated) and `op=` arguments to one reduction op."""
+    if op is not None and average is not None:
+        raise ValueError(f"{what}: pass either op= or the deprecated average=, not both")
+    if op is None:
+        op = Average if average is None or average else Sum
+    if int(op) == int(Adasum):
+        raise NotImplementedError(f"{what}: op=Adasum is not supported by nbdist; use Average")
+    return _c.ReduceOp(int(op))
+
+
+def check_process_set(process_set, what: str) -> None:
+    """nbdist has one process set, the global one."""
+    if process_set is not None and getattr(process_set, "process_set_id", 0) not in (0, None):
+        raise NotImplementedError(f"{what}: process sets other than the global one are not "
+                                  "supported by nbdist")
+
+
+def _tensor(value, what: str) -> tf.Tensor:
+    if isinstance(value, tf.IndexedSlices):
+        raise TypeError(f"{what}: tf.IndexedSlices is not supported here; densify it with "
+                        "tf.convert_to_tensor first")
+    return tf.convert_to_tensor(value)
+
+
+def _same_shape(tensors) -> list:
+    return [t.shape for t in tensors]
+
+
+def _rows_shape(tensor, rows=None) -> tf.TensorShape:
+    return tf.TensorShape([rows]).concatenate(tensor.shape[1:]) if tensor.shape.rank else \
+        tf.TensorShape(None)
+
+
+def _check_grad_op(op, what: str) -> None:
+    if int(op) not in _DIFFERENTIABLE_REDUCTIONS:
+        raise NotImplementedError(f"{what}: the gradient is defined for op=Average and op=Sum "
+                                  f"only, not {_c.ReduceOp(int(op)).name}")
+
+
+# -- raw steps (no gradient) ----------------------------------------------------------------
+def _raw_allreduce(tensors, op, prescale, postscale, names) -> list:
+    def submit(*arrays):
+        handles = [_c.allreduce_async(a, op=op, name=n, prescale_factor=prescale,
+                                      postscale_factor=postscale)
+                   for a, n in zip(arrays, names)]
+        return lambda: [_c.synchronize(h) for h in handles]
+
+    return _bridge.run(submit, tensors, [t.dtype for t in tensors], _same_shape(tensors),
+                       f"allreduce {names[0]!r}")
+
+
+def _raw_allgather(tensors, names) -> list:
+    def submit(*arrays):
+        handles = [_c.allgather_async(a, name=n) for a, n in zip(arrays, names)]
+        return lambda: [_c.synchronize(h) for h in handles]
+
+    return _bridge.run(submit, tensors, [t.dtype for t in tensors],
+                       [_rows_shape(t) for t in tensors], f"allgather {names[0]!r}")
+
+
+def _raw_broadcast(tensors, root_rank, names) -> list:
+    def submit(*arrays):
+        handles = [_c.broadcast_async(a, root_rank, name=n) for a, n in zip(arrays, names)]
+        return lambda: [_c.synchronize(h) for h in handles]
+
+    return _bridge.run(submit, tensors, [t.dtype for t in tensors], _same_shape(tensors),
+                       f"broadcast {names[0]!r}")
+
+
+def _raw_alltoall(tensor, splits, name):
+    inputs = [tensor] if splits is None else [tensor, splits]
+
+    def submit(array, split_array=None):
+        handle = _c.alltoall_async(array, splits=split_array, name=name)
+
+        def wait():
+            received, received_splits = _c.synchronize(handle)
+            return [received, np.asarray(received_splits, dtype=np.int32)]
+        return wait
+
+    out, received_splits = _bridge.run(submit, inputs, [tensor.dtype, tf.int32],
+                                       [_rows_shape(tensor), tf.TensorShape([_c.size()])],
+                                       f"alltoall {name!r}")
+    return out, received_splits
+
+
+def _share(rows, size, rank):
+    """Rows of a reducescatter result on `rank`: the first len % size ranks get one more."""
+    return None if rows is None else rows // size + (1 if rank < rows % size else 0)
+
+
+def _raw_reducescatter(tensor, op, prescale, postscale, name):
+    def submit(array):
+        handle = _c.reducescatter_async(array, op=op, name=name, prescale_factor=prescale,
+                                        postscale_factor=postscale)
+        return lambda: [_c.synchronize(handle)]
+
+    rows = tensor.shape[0] if tensor.shape.rank else None
+    shape = _rows_shape(tensor, _share(rows, _c.size(), _c.rank()))
+    return _bridge.run(submit, [tensor], [tensor.dtype], [shape], f"reducescatter {name!r}")[0]
+
+
+# -- differentiable collectives -------------------------------------------------------------
+def _allreduce_dense(tensors, op, prescale, postscale, names) -> list:
+    @tf.custom_gradient
+    def reduce(*xs):
+        ys = _raw_allreduce(list(xs), op, prescale, postscale, names)
+
+        def grad(*dys):
+            _check_grad_op(op, "allreduce")
+            dys = [tf.zeros_like(x) if dy is None else tf.convert_to_tensor(dy)
+                   for x, dy in zip(xs, dys)]
+            return _allreduce_dense(dys, op, prescale, postscale,
+                                    [_naming.derived(n, "grad") for n in names])
+        return ys, grad
+
+    out = reduce(*tensors)
+    return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+def _allreduce_sparse(slices: tf.IndexedSlices, op, prescale, postscale, name):
+    """An allreduce of IndexedSlices: allgather values and indices (Horovod's way)."""
+    if int(op) not in _DIFFERENTIABLE_REDUCTIONS:
+        raise NotImplementedError(f"allreduce of tf.IndexedSlices supports Average and Sum, "
+                                  f"not {_c.ReduceOp(int(op)).name}")
+    values, indices = _raw_allgather([slices.values, slices.indices],
+                                     [_naming.derived(name, "values"),
+                                      _naming.derived(name, "indices")])
+    scale = prescale * postscale / (_c.size() if int(op) == int(Average) else 1)
+    if scale != 1.0:
+        values = values * tf.cast(scale, values.dtype)
+    return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
+
+
+def allreduce(tensor, average=None, device_dense="", device_sparse="",
+              compression=Compression.none, op=None, prescale_factor=1.0, postscale_factor=1.0,
+              name=None, process_set=None, ignore_name_scope=False):
+    """Reduce a tensor (or tf.IndexedSlices) over all ranks; Average by default."""
+    op = resolve_op(op, average, "allreduce")
+    check_process_set(process_set, "allreduce")
+    if isinstance(tensor, tf.IndexedSlices):
+        return _allreduce_sparse(tensor, op, prescale_factor, postscale_factor,
+                                 _naming.default_name("Allgather", tensor.values, name))
+    tensor = tf.convert_to_tensor(tensor)
+    compressed, ctx = compression.compress(tensor)
+    reduced = _allreduce_dense([compressed], op, prescale_factor, postscale_factor,
+                               [_naming.default_name("Allreduce", tensor, name)])[0]
+    return compression.decompress(reduced, ctx)
+
+
+def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
+                      compression=Compression.none, op=None, prescale_factor=1.0,
+                      postscale_factor=1.0, name=None, process_set=None):
+    """Reduce a list of tensors over all ranks in one fused step; returns a list."""
+    op = resolve_op(op, average, "grouped_allreduce")
+    check_process_set(process_set, "grouped_allreduce")
+    tensors = list(tensors)
+    if not tensors:
+        return []
+    if name is None and not tf.executing_eagerly():
+        first, last = tensors[0], tensors[-1]
+        name = f"HorovodGroupedAllreduce_{first.name}_{last.name}_{len(tensors)}"
+    results: list = [None] * len(tensors)
+    dense_at = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
+    for i, t in enumerate(tensors):
+        if isinstance(t, tf.IndexedSlices):
+            results[i] = _allreduce_sparse(t, op, prescale_factor, postscale_factor,
+                                           _naming.derived(name, f"sparse{i}"))
+    if dense_at:
+        dense = [tf.convert_to_tensor(tensors[i]) for i in dense_at]
+        packed = [compression.compress(t) for t in dense]
+        names = [_naming.derived(_naming.clean(name) if name else None, str(i)) for i in dense_at]
+        reduced = _allreduce_dense([p for p, _ in packed], op, prescale_factor,
+                                   postscale_factor, names)
+        for i, r, (_, ctx) in zip(dense_at, reduced, packed):
+            results[i] = compression.decompress(r, ctx)
+    return results
+
+
+def allgather(tensor, name=None, ignore_name_scope=False, process_set=None):
+    """Concatenate every rank's tensor along the first dimension (which may differ)."""
+    check_process_set(process_set, "allgather")
+    tensor = _tensor(tensor, "allgather")
+    op_name = _naming.default_name("Allgather", tensor, name)
+
+    @tf.custom_gradient
+    def gather(x):
+        y = _raw_allgather([x], [op_name])[0]
+
+        def grad(dy):
+            dy = _allreduce_dense([tf.convert_to_tensor(dy)], Average, 1.0, 1.0,
+                                  [_naming.derived(op_name, "grad")])[0]
+            rows = tf.reshape(tf.shape(x, out_type=tf.int64)[0], [1])
+            all_rows = _raw_allgather([rows], [_naming.derived(op_name, "grad.rows")])[0]
+            return tf.split(dy, all_rows, num=_c.size(), axis=0)[_c.rank()]
+        return y, grad
+
+    return gather(tensor)
+
+
+def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set=None):
+    """root_rank's tensor on every rank."""
+    check_process_set(process_set, "broadcast")
+    tensor = _tensor(tensor, "broadcast")
+    op_name = _naming.default_name("Broadcast", tensor, name)
+
+    @tf.custom_gradient
+    def bcast(x):
+        y = _raw_broadcast([x], root_rank, [op_name])[0]
+
+        def grad(dy):
+            reduced = _allreduce_dense([tf.convert_to_tensor(dy)], Average, 1.0, 1.0,
+                                       [_naming.derived(op_name, "grad")])[0]
+            return reduced if _c.rank() == root_rank else tf.zeros_like(reduced)
+        return y, grad
+
+    return bcast(tensor)
+
+
+def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_set=None):
+    """Send splits[p] rows of `tensor` to rank p; returns what arrived (and its splits).
+
+    As in Horovod, the received splits come back only when `splits` was given.
+    """
+    check_process_set(process_set, "alltoall")
+    tensor = _tensor(tensor, "alltoall")
+    op_name = _naming.default_name("Alltoall", tensor, name)
+    split_tensor = None if splits is None else tf.cast(tf.convert_to_tensor(splits), tf.int32)
+
+    @tf.custom_gradient
+    def exchange(x):
+        out, received = _raw_alltoall(x, split_tensor, op_name)
+
+        def grad(dy, _dsplits=None):
+            dy = tf.convert_to_tensor(dy)
+            back, _ = _raw_alltoall(dy, received, _naming.derived(op_name, "grad"))
+            return back
+        return (out, received), grad
+
+    out, received = exchange(tensor)
+    return (out, received) if splits is not None else out
+
+
+def reducescatter(tensor, op=None, name=None, ignore_name_scope=False, process_set=None,
+                  prescale_factor=1.0, postscale_factor=1.0, average=None):
+    """Reduce over ranks, then give rank r its share of the first dimension."""
+    op = resolve_op(op, average, "reducescatter")
+    check_process_set(process_set, "reducescatter")
+    tensor = _tensor(tensor, "reducescatter")
+    op_name = _naming.default_name("Reducescatter", tensor, name)
+
+    @tf.custom_gradient
+    def scatter(x):
+        y = _raw_reducescatter(x, op, prescale_factor, postscale_factor, op_name)
+
+        def grad(dy):
+            _check_grad_op(op, "reducescatter")
+            dy = tf.convert_to_tensor(dy)
+            scale = prescale_factor * postscale_factor * (_c.size() if int(op) == int(Sum) else 1)
+            if scale != 1.0:
+                dy = dy * tf.cast(scale, dy.dtype)
+            return _raw_allgather([dy], [_naming.derived(op_name, "grad")])[0]
+        return y, grad
+
+    return scatter(tensor)
+
+
+def broadcast_(variables, root_rank, name=None, process_set=None):
+    """Broadcast variables in place from root_rank; returns their new values."""
+    from .functions import broadcast_variables
+
+    broadcast_variables(variables, root_rank, name=name)
+    return [tf.convert_to_tensor(v) for v in variables]
