@@ -181,6 +181,7 @@ class Reporter:
         self.calls = 0
         self._next = 0.0
         self._pending = False
+        self._published_step = None
         self._history_index = 0
         self._history_stride = 1
         self._publish_count = 0
@@ -205,7 +206,10 @@ class Reporter:
             self._fresh.update(metrics)
         self.calls += 1
         now = self._clock()
-        if not flush and now < self._next and (self.total is None or self.step < self.total):
+        # The step that reaches the total goes out at once (the bar ends full without waiting
+        # for the post-cell flush); steps past it are rate-limited like any other.
+        last_step = self.step == self.total and self.step != self._published_step
+        if not flush and now < self._next and not last_step:
             self._pending = True
             return False
         self._next = now + self.interval
@@ -223,6 +227,7 @@ class Reporter:
 
     def _publish(self, final: bool) -> None:
         self._pending = False
+        self._published_step = self.step
         if self.sink is None:
             return
         if self.sink.parent_changed():
@@ -238,7 +243,7 @@ class Reporter:
             state["metrics"] = {k: to_number(v) for k, v in self.metrics.items()}
             if self._fresh and self._publish_count % self._history_stride == 0:
                 point = (state["time"], self.step,
-                         {k: state["metrics"].get(k, to_number(v)) for k, v in self._fresh.items()})
+                         {k: state["metrics"][k] for k in self._fresh})
                 self._fresh = {}
             state["history"] = self._history_index + (point is not None)
         self._publish_count += 1

@@ -48,7 +48,6 @@ class RunState:
         self.series: dict[str, list] = {}  # per metric, its values in history order
         self._next_point = 0  # index of rank 0's next history key to read
         self._rate_samples: deque = deque()
-        self._t_first: float | None = None  # rank 0's wall time at its first state seen
 
     # ---- ingest -------------------------------------------------------------------------
     def ingest(self, per_engine: Sequence[Mapping]) -> bool:
@@ -76,8 +75,6 @@ class RunState:
     def _ingest_headline(self, state: Mapping, data: Mapping) -> bool:
         changed = False
         now = state.get("time")
-        if self._t_first is None and now is not None:
-            self._t_first = now
         step = state.get("step")
         if step != self.step:
             if self.step is not None and step is not None and step < self.step:
@@ -158,8 +155,8 @@ class RunState:
         return 0.0
 
     def rows(self) -> list[dict]:
-        """Rank 0's metric history as rows: step, time (s since its first report), metrics."""
-        t0 = self._t_first if self._t_first is not None else (self.history[0][0] if self.history else 0)
+        """Rank 0's metric history as rows: step, time (s since its first point), metrics."""
+        t0 = self.history[0][0] if self.history else 0.0
         return [{"step": step, "time": round(t - t0, 6), **values} for t, step, values in self.history]
 
     def text_line(self) -> str:
