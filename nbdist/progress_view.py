@@ -31,15 +31,17 @@ FINAL_STATES = ("done", "failed", "interrupted", "timeout")
 class RunState:
     """The run as the view shows it, aggregated from every engine's published data."""
 
-    def __init__(self, n_ranks: int, clock=time.monotonic):
+    def __init__(self, n_ranks: int, clock=time.monotonic, ranks: Sequence[int] | None = None):
         self.n_ranks = n_ranks
         self._clock = clock
         self.started = clock()
         self.ended: float | None = None
         self.state = "running"
         self.failed_rank: int | None = None
-        self.ranks = [{"rank": r, "step": None, "total": None, "state": "running"}
-                      for r in range(n_ranks)]
+        # One row per engine of the AsyncResult, in its order; "rank" is what the engine
+        # publishes (engine i is rank i on a full cluster, not with --targets 1,3).
+        labels = list(ranks) if ranks is not None else list(range(n_ranks))
+        self.ranks = [{"rank": r, "step": None, "total": None, "state": "running"} for r in labels]
         self.step: int | None = None
         self.total: int | None = None
         self.desc: str | None = None
@@ -59,16 +61,16 @@ class RunState:
             state = data.get(STATE_KEY)
             if not state:
                 continue
-            rank = state.get("rank", index)
-            if not isinstance(rank, int) or not 0 <= rank < self.n_ranks:
-                rank = index if index < self.n_ranks else None
-            if rank is None:
+            if index >= len(self.ranks):
                 continue
-            row = self.ranks[rank]
+            row = self.ranks[index]
+            rank = state.get("rank")
+            if isinstance(rank, int):
+                row["rank"] = rank
             if row["step"] != state.get("step") or row["total"] != state.get("total"):
                 row["step"], row["total"] = state.get("step"), state.get("total")
                 changed = True
-            if rank == 0:
+            if rank == 0:  # only rank 0 publishes metrics: it is the headline
                 changed |= self._ingest_headline(state, data)
         return changed
 
@@ -113,7 +115,7 @@ class RunState:
     def set_engine_status(self, statuses: Sequence[str | None]) -> None:
         """Per-engine completion from the AsyncResult: None (running), 'ok', 'error'."""
         for index, status in enumerate(statuses):
-            if index < self.n_ranks and status is not None:
+            if index < len(self.ranks) and status is not None:
                 self.ranks[index]["state"] = "done" if status == "ok" else "failed"
 
     def finish(self, state: str, failed_rank: int | None = None) -> None:
@@ -126,8 +128,9 @@ class RunState:
         for row in self.ranks:
             if row["state"] == "running":
                 row["state"] = leftover
-        if failed_rank is not None and 0 <= failed_rank < self.n_ranks:
-            self.ranks[failed_rank]["state"] = "failed"
+        for row in self.ranks:
+            if failed_rank is not None and row["rank"] == failed_rank:
+                row["state"] = "failed"
 
     # ---- derived ------------------------------------------------------------------------
     @property
@@ -302,10 +305,11 @@ _last_run: RunState | None = None
 class ProgressView:
     """Polls an AsyncResult's published data into a RunState and draws it; never breaks a cell."""
 
-    def __init__(self, async_result, n_ranks: int, widgets: bool = True, stream=None):
+    def __init__(self, async_result, n_ranks: int, widgets: bool = True, stream=None,
+                 ranks: Sequence[int] | None = None):
         global _last_run
         self.async_result = async_result
-        self.run = RunState(n_ranks)
+        self.run = RunState(n_ranks, ranks=ranks)
         _last_run = self.run
         self.finished = False
         self._broken = False
@@ -360,9 +364,14 @@ class ProgressView:
                           RuntimeWarning, stacklevel=2)
 
 
-def attach(async_result, n_ranks: int, widgets: bool = True) -> ProgressView:
-    """Start a progress view for a running %%distributed cell (call poll() often, finish() once)."""
-    return ProgressView(async_result, n_ranks, widgets=widgets)
+def attach(async_result, n_ranks: int, widgets: bool = True,
+           ranks: Sequence[int] | None = None) -> ProgressView:
+    """Start a progress view for a running %%distributed cell (call poll() often, finish() once).
+
+    `ranks` names the rank of each engine in the AsyncResult (default 0..n_ranks-1); the
+    engines' own published ranks replace these labels as soon as they report.
+    """
+    return ProgressView(async_result, n_ranks, widgets=widgets, ranks=ranks)
 
 
 def _as_list(value) -> list:
