@@ -1,12 +1,192 @@
 // nbdist._native: the C++ data path (shared memory on one node, NCCL on GPUs).
-// Placeholder module until the native-data-path issue lands: it only reports
-// what it was built with, so the package's build and install are exercised.
+//
+// Buffers arrive as raw addresses (ints) from the Python side, which checks
+// dtype, contiguity and sizes and keeps the arrays alive for the call; every op
+// runs with the GIL released.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <thread>
+
+#include "kernels.hpp"
+#include "nccl.hpp"
+#include "py_hooks.hpp"
+#include "shm_comm.hpp"
 
 namespace py = pybind11;
+using nbdist::ShmComm;
+using nbdist::WaitContext;
+
+namespace {
+
+void* ptr(uintptr_t address) { return reinterpret_cast<void*>(address); }
+
+// The Python side of a ShmComm: counts ops in flight, so that close() from
+// another thread never unmaps memory a running op still uses.
+class PyShm {
+ public:
+  explicit PyShm(std::unique_ptr<ShmComm> comm) : comm_(std::move(comm)) {}
+
+  // Runs `body` on the comm with the GIL released. `should_stop` (None or a
+  // callable returning a reason or None) is polled about every 100 ms once asleep.
+  template <class Body>
+  void run(const char* what, double timeout_s, const py::object& should_stop, Body&& body) {
+    WaitContext ctx;
+    ctx.what = what;
+    ctx.timeout_s = timeout_s;
+    ctx.should_stop = nbdist::make_stop_hook(should_stop);
+    active_.fetch_add(1);
+    struct Leave {
+      std::atomic<int>& a;
+      ~Leave() { a.fetch_sub(1); }
+    } leave{active_};
+    if (!comm_) throw nbdist::ShmError(std::string("shm ") + what + ": the transport is closed");
+    py::gil_scoped_release release;
+    body(*comm_, ctx);
+  }
+
+  ShmComm& comm() {
+    if (!comm_) throw nbdist::ShmError("shm: the transport is closed");
+    return *comm_;
+  }
+
+  // Aborts ops still running in other threads, waits for them to leave, unmaps.
+  void close() {
+    if (!comm_) return;
+    {
+      py::gil_scoped_release release;
+      if (active_.load() > 0) {
+        comm_->abort("the shm transport was closed while an op was running");
+        for (int i = 0; i < 200 && active_.load() > 0; ++i)
+          std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+    }
+    if (active_.load() > 0) {
+      comm_.release();  // an op is stuck inside: leak the mapping rather than crash it
+      return;
+    }
+    comm_->unlink();
+    comm_.reset();
+  }
+
+ private:
+  std::unique_ptr<ShmComm> comm_;
+  std::atomic<int> active_{0};
+};
+
+void bind_shm(py::module_& m) {
+  py::class_<PyShm>(m, "ShmComm", "Collectives among the ranks of one node through shared memory.")
+      .def_static(
+          "create",
+          [](int nranks, int global_rank, size_t slot_bytes, int nsets) {
+            auto seg = nbdist::Segment::create(nranks, slot_bytes, nsets);
+            return std::make_unique<PyShm>(std::make_unique<ShmComm>(std::move(seg), 0, global_rank));
+          },
+          py::arg("nranks"), py::arg("global_rank"), py::arg("slot_bytes"), py::arg("nsets"),
+          "Create a fresh segment (local rank 0).")
+      .def_static(
+          "attach",
+          [](const std::string& name, int nranks, int local_rank, int global_rank) {
+            auto seg = nbdist::Segment::attach(name, nranks);
+            return std::make_unique<PyShm>(
+                std::make_unique<ShmComm>(std::move(seg), local_rank, global_rank));
+          },
+          py::arg("name"), py::arg("nranks"), py::arg("local_rank"), py::arg("global_rank"),
+          "Attach to the segment local rank 0 created.")
+      .def_property_readonly("name", [](PyShm& s) { return s.comm().name(); })
+      .def_property_readonly("slot_bytes", [](PyShm& s) { return s.comm().slot_bytes(); })
+      .def("register_rank", [](PyShm& s) { return s.comm().register_rank(); },
+           "Count this rank in; the last one unlinks the name. True if this call unlinked it.")
+      .def("unlink", [](PyShm& s) { s.comm().unlink(); })
+      .def("close", &PyShm::close)
+      .def("set_tuning",
+           [](PyShm& s, int spin, int yields, size_t small_bytes) {
+             s.comm().set_spin(spin, yields);
+             s.comm().set_small_bytes(small_bytes);
+           })
+      .def("abort", [](PyShm& s, const std::string& reason) { s.comm().abort(reason); },
+           py::call_guard<py::gil_scoped_release>())
+      .def("abort_reason", [](PyShm& s) { return s.comm().abort_reason(); })
+      .def("clear_shared", [](PyShm& s) { s.comm().clear_shared(); })
+      .def("reset_local", [](PyShm& s) { s.comm().reset_local(); })
+      .def("barrier",
+           [](PyShm& s, double timeout_s, py::object stop) {
+             s.run("barrier", timeout_s, stop, [&](ShmComm& c, WaitContext& ctx) { c.barrier(ctx); });
+           },
+           py::arg("timeout_s") = 0.0, py::arg("should_stop") = py::none())
+      .def("allreduce",
+           [](PyShm& s, uintptr_t buf, size_t count, int dtype, int op, double timeout_s, py::object stop) {
+             s.run("allreduce", timeout_s, stop,
+                   [&](ShmComm& c, WaitContext& ctx) { c.allreduce(ptr(buf), count, dtype, op, ctx); });
+           },
+           py::arg("buf"), py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("timeout_s") = 0.0,
+           py::arg("should_stop") = py::none())
+      .def("reduce",
+           [](PyShm& s, uintptr_t buf, size_t count, int dtype, int op, int root, double timeout_s,
+              py::object stop) {
+             s.run("reduce", timeout_s, stop,
+                   [&](ShmComm& c, WaitContext& ctx) { c.reduce(ptr(buf), count, dtype, op, root, ctx); });
+           },
+           py::arg("buf"), py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("root"),
+           py::arg("timeout_s") = 0.0, py::arg("should_stop") = py::none())
+      .def("broadcast",
+           [](PyShm& s, uintptr_t buf, size_t nbytes, int root, double timeout_s, py::object stop) {
+             s.run("broadcast", timeout_s, stop,
+                   [&](ShmComm& c, WaitContext& ctx) { c.broadcast(ptr(buf), nbytes, root, ctx); });
+           },
+           py::arg("buf"), py::arg("nbytes"), py::arg("root"), py::arg("timeout_s") = 0.0,
+           py::arg("should_stop") = py::none())
+      .def("allgatherv",
+           [](PyShm& s, uintptr_t send, uintptr_t recv, std::vector<int64_t> byte_counts, double timeout_s,
+              py::object stop) {
+             s.run("allgather", timeout_s, stop, [&](ShmComm& c, WaitContext& ctx) {
+               c.allgatherv(ptr(send), ptr(recv), byte_counts, ctx);
+             });
+           },
+           py::arg("send"), py::arg("recv"), py::arg("byte_counts"), py::arg("timeout_s") = 0.0,
+           py::arg("should_stop") = py::none())
+      .def("reducescatter",
+           [](PyShm& s, uintptr_t send, uintptr_t recv, std::vector<int64_t> counts, int dtype, int op,
+              double timeout_s, py::object stop) {
+             s.run("reducescatter", timeout_s, stop, [&](ShmComm& c, WaitContext& ctx) {
+               c.reducescatter(ptr(send), ptr(recv), counts, dtype, op, ctx);
+             });
+           },
+           py::arg("send"), py::arg("recv"), py::arg("counts"), py::arg("dtype"), py::arg("op"),
+           py::arg("timeout_s") = 0.0, py::arg("should_stop") = py::none())
+      .def("alltoallv",
+           [](PyShm& s, uintptr_t send, std::vector<int64_t> send_bytes, uintptr_t recv,
+              std::vector<int64_t> recv_bytes, double timeout_s, py::object stop) {
+             s.run("alltoall", timeout_s, stop, [&](ShmComm& c, WaitContext& ctx) {
+               c.alltoallv(ptr(send), send_bytes, ptr(recv), recv_bytes, ctx);
+             });
+           },
+           py::arg("send"), py::arg("send_bytes"), py::arg("recv"), py::arg("recv_bytes"),
+           py::arg("timeout_s") = 0.0, py::arg("should_stop") = py::none());
+}
+
+}  // namespace
 
 PYBIND11_MODULE(_native, m) {
-  m.doc() = "nbdist native data path";
-  m.def("shm_built", []() { return false; }, "True when the shared-memory collectives are built.");
-  m.def("nccl_built", []() { return false; }, "True when libnccl can be loaded on this machine.");
+  m.doc() = "nbdist native data path: shared-memory collectives and a dlopen'ed NCCL path";
+  py::register_exception<nbdist::ShmError>(m, "ShmError", PyExc_RuntimeError);
+  m.def("shm_built", []() { return true; }, "True when the shared-memory collectives are built.");
+  m.def("kernel_isa", []() { return std::string(nbdist::kernel_isa()); },
+        "The instruction-set variant of the reduction kernels chosen for this CPU.");
+  m.def(
+      "reduce_local",
+      [](uintptr_t dst, std::vector<uintptr_t> srcs, size_t count, int dtype, int op) {
+        auto fn = nbdist::reduce_kernel(dtype, op);
+        if (!fn) throw std::invalid_argument("reduce_local: unsupported dtype/op");
+        std::vector<const void*> p(srcs.size());
+        for (size_t i = 0; i < srcs.size(); ++i) p[i] = ptr(srcs[i]);
+        py::gil_scoped_release release;
+        fn(ptr(dst), p.data(), static_cast<int>(p.size()), count);
+      },
+      "Reduce arrays of one process element-wise (tests and benchmarks of the kernels).");
+  bind_shm(m);
+  nbdist::bind_nccl(m);
 }

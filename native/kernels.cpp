@@ -1,0 +1,54 @@
+// Picks, once, the best compiled variant of the reduction kernels for this CPU.
+#include "kernels.hpp"
+
+namespace nbdist {
+namespace {
+
+struct Table {
+  ReduceFn fn[kNumDTypes][kNumOps] = {};
+  const char* isa = "baseline";
+  Table() {
+#if defined(NBDIST_HAVE_AVX2)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) {
+      isa_avx2::fill(fn);
+      isa = "avx2";
+      return;
+    }
+#endif
+    isa_baseline::fill(fn);
+  }
+};
+
+const Table& table() {
+  static const Table t;  // thread-safe one-time initialisation
+  return t;
+}
+
+}  // namespace
+
+size_t dtype_size(int dtype) {
+  switch (dtype) {
+    case kF16: case kBF16: case kI16: case kU16: return 2;
+    case kF32: case kI32: case kU32: return 4;
+    case kF64: case kI64: case kU64: return 8;
+    case kI8: case kU8: return 1;
+    default: return 0;
+  }
+}
+
+const char* dtype_name(int dtype) {
+  static const char* names[kNumDTypes] = {"float16", "bfloat16", "float32", "float64",
+                                          "int8", "int16", "int32", "int64",
+                                          "uint8", "uint16", "uint32", "uint64"};
+  return (dtype >= 0 && dtype < kNumDTypes) ? names[dtype] : "unknown";
+}
+
+ReduceFn reduce_kernel(int dtype, int op) {
+  if (dtype < 0 || dtype >= kNumDTypes || op < 0 || op >= kNumOps) return nullptr;
+  return table().fn[dtype][op];
+}
+
+const char* kernel_isa() { return table().isa; }
+
+}  // namespace nbdist

@@ -1,0 +1,291 @@
+// The shared-memory collectives. Each op is a sequence of steps over chunks that
+// fit one slot set; see shm_comm.hpp for the phase counters. Every rank runs the
+// same number of steps and phases, whatever its own share of the data.
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <stdexcept>
+
+#include "kernels.hpp"
+#include "shm_comm.hpp"
+
+namespace nbdist {
+namespace {
+
+size_t clamp_len(int64_t total, size_t off, size_t cap) {
+  if (total <= 0 || static_cast<size_t>(total) <= off) return 0;
+  return std::min(cap, static_cast<size_t>(total) - off);
+}
+
+size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+void check_counts(const std::vector<int64_t>& v, int n, const char* what) {
+  if (static_cast<int>(v.size()) != n)
+    throw std::invalid_argument(std::string("shm ") + what + ": expected " + std::to_string(n) +
+                                " counts, got " + std::to_string(v.size()));
+  for (int64_t c : v)
+    if (c < 0) throw std::invalid_argument(std::string("shm ") + what + ": negative count");
+}
+
+std::vector<size_t> prefix(const std::vector<int64_t>& v, size_t scale = 1) {
+  std::vector<size_t> out(v.size(), 0);
+  for (size_t i = 1; i < v.size(); ++i) out[i] = out[i - 1] + static_cast<size_t>(v[i - 1]) * scale;
+  return out;
+}
+
+ReduceFn kernel_or_throw(int dtype, int op, const char* what) {
+  ReduceFn fn = reduce_kernel(dtype, op);
+  if (fn == nullptr)
+    throw std::invalid_argument(std::string("shm ") + what + ": cannot reduce " + dtype_name(dtype) +
+                                " with op " + std::to_string(op));
+  return fn;
+}
+
+}  // namespace
+
+ShmComm::ShmComm(Segment seg, int local_rank, int global_rank)
+    : seg_(std::move(seg)), hdr_(seg_.header()), rank_(local_rank), global_rank_(global_rank),
+      n_(static_cast<int>(hdr_->nranks)), nsets_(static_cast<int>(hdr_->nsets)),
+      slot_bytes_(hdr_->slot_bytes), free_phase_(hdr_->nsets, 0) {
+  if (local_rank < 0 || local_rank >= n_) throw std::invalid_argument("shm: local rank out of range");
+}
+
+ShmComm::~ShmComm() = default;
+
+int ShmComm::acquire_set(bool writer, WaitContext& ctx) {
+  int s = next_set_;
+  next_set_ = (next_set_ + 1) % nsets_;
+  if (writer) wait_all(free_phase_[s], ctx);  // everyone has finished reading it
+  return s;
+}
+
+void ShmComm::barrier(WaitContext& ctx) {
+  check_not_aborted(ctx);
+  uint64_t g = next_phase();
+  post(g);
+  wait_all(g, ctx);
+}
+
+void ShmComm::allreduce(void* buf, size_t count, int dtype, int op, WaitContext& ctx) {
+  kernel_or_throw(dtype, op, ctx.what);
+  check_not_aborted(ctx);
+  const size_t bytes = count * dtype_size(dtype);
+  if (count == 0 || n_ == 1) return;
+  if (bytes <= small_bytes_ && bytes <= slot_bytes_)
+    allreduce_small(static_cast<char*>(buf), bytes, count, dtype, op, ctx);
+  else
+    reduce_chunked(static_cast<char*>(buf), count, dtype, op, -1, ctx);
+}
+
+void ShmComm::reduce(void* buf, size_t count, int dtype, int op, int root, WaitContext& ctx) {
+  kernel_or_throw(dtype, op, ctx.what);
+  if (root < 0 || root >= n_) throw std::invalid_argument("shm reduce: root out of range");
+  check_not_aborted(ctx);
+  if (count == 0 || n_ == 1) return;
+  reduce_chunked(static_cast<char*>(buf), count, dtype, op, root, ctx);
+}
+
+// Small buffers: one synchronisation. Everyone copies in, then everyone reduces
+// the whole buffer from all slots (in rank order, so all get the same bits).
+void ShmComm::allreduce_small(char* buf, size_t bytes, size_t count, int dtype, int op,
+                              WaitContext& ctx) {
+  ReduceFn fn = reduce_kernel(dtype, op);
+  int s = acquire_set(true, ctx);
+  std::memcpy(seg_.slot(s, rank_), buf, bytes);
+  uint64_t copied = next_phase();
+  post(copied);
+  wait_all(copied, ctx);
+  std::vector<const void*> srcs(n_);
+  for (int p = 0; p < n_; ++p) srcs[p] = seg_.slot(s, p);
+  fn(buf, srcs.data(), n_, count);
+  uint64_t read = next_phase();
+  post(read);
+  release_set(s, read);
+}
+
+// Large buffers: per chunk, copy in; each rank reduces its own slice (a
+// reduce-scatter); then the reduced slices are copied out (an allgather, or to
+// `root` only when root >= 0).
+void ShmComm::reduce_chunked(char* buf, size_t count, int dtype, int op, int root, WaitContext& ctx) {
+  ReduceFn fn = reduce_kernel(dtype, op);
+  const size_t item = dtype_size(dtype);
+  const size_t chunk = slot_bytes_ / item;
+  const size_t line = 64 / item;  // slices start on cache lines: no false sharing
+  std::vector<const void*> srcs(n_);
+  for (size_t off = 0; off < count; off += chunk) {
+    const size_t c = std::min(chunk, count - off);
+    const size_t slice = round_up((c + n_ - 1) / n_, line);
+    const size_t lo = std::min(c, rank_ * slice), hi = std::min(c, lo + slice);
+    char* const src = buf + off * item;
+    int s = acquire_set(true, ctx);
+    std::memcpy(seg_.slot(s, rank_), src, c * item);
+    uint64_t copied = next_phase();
+    post(copied);
+    wait_all(copied, ctx);
+    if (hi > lo) {
+      for (int p = 0; p < n_; ++p) srcs[p] = seg_.slot(s, p) + lo * item;
+      fn(seg_.slot(s, rank_) + lo * item, srcs.data(), n_, hi - lo);
+    }
+    uint64_t reduced = next_phase();
+    post(reduced);
+    if (root < 0 || root == rank_) {
+      wait_all(reduced, ctx);
+      for (int q = 0; q < n_; ++q) {
+        const size_t qlo = std::min(c, q * slice), qhi = std::min(c, qlo + slice);
+        if (qhi > qlo) std::memcpy(src + qlo * item, seg_.slot(s, q) + qlo * item, (qhi - qlo) * item);
+      }
+    }
+    uint64_t read = next_phase();
+    post(read);
+    release_set(s, read);
+  }
+}
+
+// The root copies chunks into a whole slot set (n slots, contiguous); the others
+// copy them out. With several sets the root runs ahead by up to nsets-1 chunks.
+void ShmComm::broadcast(void* buf_, size_t bytes, int root, WaitContext& ctx) {
+  if (root < 0 || root >= n_) throw std::invalid_argument("shm broadcast: root out of range");
+  check_not_aborted(ctx);
+  if (bytes == 0 || n_ == 1) return;
+  char* buf = static_cast<char*>(buf_);
+  const size_t cap = slot_bytes_ * n_;
+  for (size_t off = 0; off < bytes; off += cap) {
+    const size_t c = std::min(cap, bytes - off);
+    int s = acquire_set(rank_ == root, ctx);
+    uint64_t written = next_phase();
+    if (rank_ == root) {
+      std::memcpy(seg_.slot(s, 0), buf + off, c);
+      uint64_t read = next_phase();  // the root reads nothing back: done at once
+      post(read);
+      release_set(s, read);
+    } else {
+      wait_rank(root, written, ctx);
+      std::memcpy(buf + off, seg_.slot(s, 0), c);
+      uint64_t read = next_phase();
+      post(read);
+      release_set(s, read);
+    }
+  }
+}
+
+void ShmComm::allgatherv(const void* send_, void* recv_, const std::vector<int64_t>& byte_counts,
+                         WaitContext& ctx) {
+  check_counts(byte_counts, n_, ctx.what);
+  check_not_aborted(ctx);
+  const char* send = static_cast<const char*>(send_);
+  char* recv = static_cast<char*>(recv_);
+  const std::vector<size_t> displ = prefix(byte_counts);
+  const size_t mine = static_cast<size_t>(byte_counts[rank_]);
+  if (mine) std::memmove(recv + displ[rank_], send, mine);
+  const size_t longest = static_cast<size_t>(*std::max_element(byte_counts.begin(), byte_counts.end()));
+  if (longest == 0 || n_ == 1) return;
+  for (size_t off = 0; off < longest; off += slot_bytes_) {
+    int s = acquire_set(true, ctx);
+    size_t len = clamp_len(byte_counts[rank_], off, slot_bytes_);
+    if (len) std::memcpy(seg_.slot(s, rank_), send + off, len);
+    uint64_t copied = next_phase();
+    post(copied);
+    wait_all(copied, ctx);
+    for (int q = 0; q < n_; ++q) {
+      if (q == rank_) continue;
+      size_t qlen = clamp_len(byte_counts[q], off, slot_bytes_);
+      if (qlen) std::memcpy(recv + displ[q] + off, seg_.slot(s, q), qlen);
+    }
+    uint64_t read = next_phase();
+    post(read);
+    release_set(s, read);
+  }
+}
+
+// Each step moves up to `part` elements of every rank's share: rank r puts the
+// piece destined to q at region q of its slot, and q reduces region q of all slots.
+void ShmComm::reducescatter(const void* send_, void* recv_, const std::vector<int64_t>& counts,
+                            int dtype, int op, WaitContext& ctx) {
+  ReduceFn fn = kernel_or_throw(dtype, op, ctx.what);
+  check_counts(counts, n_, ctx.what);
+  check_not_aborted(ctx);
+  const size_t item = dtype_size(dtype);
+  const char* send = static_cast<const char*>(send_);
+  char* recv = static_cast<char*>(recv_);
+  const std::vector<size_t> first = prefix(counts);
+  const size_t longest = static_cast<size_t>(*std::max_element(counts.begin(), counts.end()));
+  if (longest == 0) return;
+  if (n_ == 1) {
+    std::memmove(recv, send, static_cast<size_t>(counts[0]) * item);
+    return;
+  }
+  size_t part = slot_bytes_ / n_ / item;
+  if (part >= 64 / item) part -= part % (64 / item);
+  if (part == 0) throw std::invalid_argument("shm reducescatter: slots too small for this many ranks");
+  std::vector<const void*> srcs(n_);
+  for (size_t off = 0; off < longest; off += part) {
+    int s = acquire_set(true, ctx);
+    char* myslot = seg_.slot(s, rank_);
+    for (int q = 0; q < n_; ++q) {
+      size_t len = clamp_len(counts[q], off, part);
+      if (len) std::memcpy(myslot + q * part * item, send + (first[q] + off) * item, len * item);
+    }
+    uint64_t copied = next_phase();
+    post(copied);
+    wait_all(copied, ctx);
+    size_t mylen = clamp_len(counts[rank_], off, part);
+    if (mylen) {
+      for (int p = 0; p < n_; ++p) srcs[p] = seg_.slot(s, p) + rank_ * part * item;
+      fn(recv + off * item, srcs.data(), n_, mylen);
+    }
+    uint64_t read = next_phase();
+    post(read);
+    release_set(s, read);
+  }
+}
+
+// Ranks know only their own counts, so they first agree (through each rank's
+// scratch word) on the longest piece any pair exchanges: that fixes the steps.
+void ShmComm::alltoallv(const void* send_, const std::vector<int64_t>& send_bytes, void* recv_,
+                        const std::vector<int64_t>& recv_bytes, WaitContext& ctx) {
+  check_counts(send_bytes, n_, ctx.what);
+  check_counts(recv_bytes, n_, ctx.what);
+  check_not_aborted(ctx);
+  const char* send = static_cast<const char*>(send_);
+  char* recv = static_cast<char*>(recv_);
+  const std::vector<size_t> sdispl = prefix(send_bytes), rdispl = prefix(recv_bytes);
+  if (n_ == 1) {
+    std::memmove(recv, send, static_cast<size_t>(send_bytes[0]));
+    return;
+  }
+  int64_t local_max = std::max(*std::max_element(send_bytes.begin(), send_bytes.end()),
+                               *std::max_element(recv_bytes.begin(), recv_bytes.end()));
+  wait_all(scratch_free_, ctx);  // every rank has read my previous scratch value
+  hdr_->ranks[rank_].scratch.store(local_max, std::memory_order_relaxed);
+  uint64_t shared = next_phase();
+  post(shared);
+  wait_all(shared, ctx);
+  size_t longest = 0;
+  for (int p = 0; p < n_; ++p)
+    longest = std::max(longest, static_cast<size_t>(hdr_->ranks[p].scratch.load(std::memory_order_relaxed)));
+  scratch_free_ = next_phase();
+  post(scratch_free_);
+  size_t part = slot_bytes_ / n_;
+  part -= part % 64;
+  if (part == 0) throw std::invalid_argument("shm alltoallv: slots too small for this many ranks");
+  for (size_t off = 0; off < longest; off += part) {
+    int s = acquire_set(true, ctx);
+    char* myslot = seg_.slot(s, rank_);
+    for (int q = 0; q < n_; ++q) {
+      size_t len = clamp_len(send_bytes[q], off, part);
+      if (len) std::memcpy(myslot + q * part, send + sdispl[q] + off, len);
+    }
+    uint64_t copied = next_phase();
+    post(copied);
+    wait_all(copied, ctx);
+    for (int p = 0; p < n_; ++p) {
+      size_t len = clamp_len(recv_bytes[p], off, part);
+      if (len) std::memcpy(recv + rdispl[p] + off, seg_.slot(s, p) + rank_ * part, len);
+    }
+    uint64_t read = next_phase();
+    post(read);
+    release_set(s, read);
+  }
+}
+
+}  // namespace nbdist

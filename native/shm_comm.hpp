@@ -1,0 +1,108 @@
+// Collectives among the ranks of one node through a shared-memory segment.
+//
+// Synchronisation: every rank owns a monotonically increasing counter (seq) in
+// the segment. All ranks run the same ops in the same order (the engine agrees
+// on them first), so they step through the same sequence of phases; a rank
+// publishes "I finished phase g" by storing g, and waits for "everyone finished
+// phase g" by waiting until every counter is >= g. No counter is ever reset
+// while ops run, so there is no ABA problem and no per-op handshake.
+//
+// Data: nsets rotating sets of one slot per rank. A step writes into one set;
+// before a set is written again every rank must have finished reading it (its
+// "free" phase), so with >= 2 sets a fast rank copies the next chunk in while
+// slower ones still reduce the current one: copying and reducing overlap.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "shm_segment.hpp"
+
+namespace nbdist {
+
+// An op could not complete: a peer aborted, died, or the deadline passed.
+class ShmError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// What a wait needs besides the segment: which op, until when, and a hook that
+// returns true (and a reason) when the caller wants to give up.
+struct WaitContext {
+  const char* what = "op";
+  double timeout_s = 0.0;  // 0: no deadline
+  std::function<bool(std::string&)> should_stop;  // polled every ~100 ms once asleep
+  std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+};
+
+class ShmComm {
+ public:
+  ShmComm(Segment seg, int local_rank, int global_rank);
+  ~ShmComm();
+
+  int rank() const { return rank_; }
+  int size() const { return n_; }
+  size_t slot_bytes() const { return slot_bytes_; }
+  const std::string& name() const { return seg_.name(); }
+  bool register_rank() { return seg_.register_rank(rank_, global_rank_); }
+  void unlink() { seg_.unlink(); }
+  void close() { seg_.unmap(); }
+
+  // Marks the segment aborted with `reason` and wakes every waiter (any thread).
+  void abort(const std::string& reason);
+  // The abort reason, or "" when not aborted.
+  std::string abort_reason() const;
+  // Recovery after an abort, in two steps with an MPI barrier before and between:
+  // clear_shared() on local rank 0 only, then reset_local() on every rank.
+  void clear_shared();
+  void reset_local();
+
+  // The collectives; pointers are host memory of `count` elements of `dtype`.
+  void allreduce(void* buf, size_t count, int dtype, int op, WaitContext& ctx);
+  void reduce(void* buf, size_t count, int dtype, int op, int root, WaitContext& ctx);
+  void broadcast(void* buf, size_t bytes, int root, WaitContext& ctx);
+  void allgatherv(const void* send, void* recv, const std::vector<int64_t>& byte_counts,
+                  WaitContext& ctx);
+  void reducescatter(const void* send, void* recv, const std::vector<int64_t>& counts,
+                     int dtype, int op, WaitContext& ctx);
+  void alltoallv(const void* send, const std::vector<int64_t>& send_bytes, void* recv,
+                 const std::vector<int64_t>& recv_bytes, WaitContext& ctx);
+  void barrier(WaitContext& ctx);
+
+  // Tuning (set from Python before the first op).
+  void set_spin(int spin_iters, int yield_iters) { spin_iters_ = spin_iters; yield_iters_ = yield_iters; }
+  void set_small_bytes(size_t b) { small_bytes_ = b; }
+
+ private:
+  uint64_t next_phase() { return ++gen_; }
+  void post(uint64_t phase);
+  void wait_all(uint64_t phase, WaitContext& ctx);
+  void wait_rank(int who, uint64_t phase, WaitContext& ctx);
+  void wait_for(int who, uint64_t phase, WaitContext& ctx);  // who < 0: all ranks
+  [[noreturn]] void fail_aborted(const WaitContext& ctx);
+  void check_slow(int who, uint64_t phase, WaitContext& ctx, bool& stop);
+  int acquire_set(bool writer, WaitContext& ctx);
+  void release_set(int set, uint64_t phase) { free_phase_[set] = phase; }
+  void check_not_aborted(const WaitContext& ctx);
+
+  void allreduce_small(char* buf, size_t bytes, size_t count, int dtype, int op, WaitContext& ctx);
+  void reduce_chunked(char* buf, size_t count, int dtype, int op, int root, WaitContext& ctx);
+
+  Segment seg_;
+  Header* hdr_;
+  int rank_, global_rank_, n_, nsets_;
+  size_t slot_bytes_;
+  uint64_t gen_ = 0;
+  int next_set_ = 0;
+  std::vector<uint64_t> free_phase_;
+  uint64_t scratch_free_ = 0;  // phase after which every rank has read the scratch words
+  int spin_iters_ = 2000;
+  int yield_iters_ = 200;
+  size_t small_bytes_ = 64 * 1024;
+};
+
+}  // namespace nbdist

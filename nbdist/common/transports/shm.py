@@ -1,0 +1,197 @@
+"""The shared-memory transport: collectives among the ranks of one node, in C++.
+
+Local rank 0 creates a segment (random name, mode 0600), sends its name over the
+node's MPI communicator, every rank attaches, and the name is unlinked as soon as
+all have: /dev/shm holds nothing of ours even if ranks are later killed.
+The bytes move in nbdist._native with the GIL released.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ..transport import Transport, TransportError
+from ._dtypes import dtype_code, op_code
+
+MiB = 1024 * 1024
+
+
+def native_module():
+    """nbdist._native when it is built and has the shm collectives, else None."""
+    try:
+        from nbdist import _native
+    except ImportError:
+        return None
+    return _native if getattr(_native, "shm_built", lambda: False)() else None
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "")
+    try:
+        return int(raw) if raw else default
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _address(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def _contiguous(a, what: str, writeable: bool = False) -> np.ndarray:
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"the shm transport takes numpy arrays for {what}, not {type(a).__name__}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"the shm transport needs a C-contiguous array for {what}")
+    if writeable and not a.flags.writeable:
+        raise ValueError(f"the shm transport needs a writeable array for {what}")
+    return a
+
+
+class ShmTransport(Transport):
+    """Allreduce, allgather, broadcast, reduce-scatter and alltoall among one node's ranks.
+
+    Collective to construct: every rank of `local_comm` must create it at the same time.
+    """
+
+    name = "shm"
+
+    def __init__(self, local_comm, global_rank: int, timeout_s: float = 0.0,
+                 should_stop: Callable[[], str | None] | None = None,
+                 slot_bytes: int | None = None, nsets: int | None = None):
+        native = native_module()
+        if native is None:
+            raise RuntimeError("the shm transport needs nbdist._native (the native module is not built)")
+        self.comm = local_comm
+        self.rank = local_comm.rank
+        self.size = local_comm.size
+        self.global_rank = global_rank
+        self.timeout_s = timeout_s
+        self.should_stop = should_stop
+        slot_bytes = slot_bytes or _env_int("NBDIST_SHM_SLOT_BYTES", 1 * MiB)
+        slot_bytes = max(4096, (slot_bytes + 4095) // 4096 * 4096)
+        nsets = nsets or _env_int("NBDIST_SHM_SETS", 2)
+        self._native = self._open(native, slot_bytes, nsets)
+        oversubscribed = self.size > _cpus()
+        # Spinning only pays when every rank has a core; otherwise yield soon.
+        spin = _env_int("NBDIST_SHM_SPIN", 100 if oversubscribed else 4000)
+        yields = _env_int("NBDIST_SHM_YIELDS", 50 if oversubscribed else 200)
+        self._native.set_tuning(spin, yields, _env_int("NBDIST_SHM_SMALL_BYTES", 64 * 1024))
+
+    def _open(self, native, slot_bytes: int, nsets: int):
+        """Create (local rank 0) or attach to the node's segment; collective over local_comm."""
+        comm, seg, error = self.comm, None, None
+        if self.rank == 0:
+            try:
+                seg = native.ShmComm.create(self.size, self.global_rank, slot_bytes, nsets)
+            except Exception as exc:  # e.g. /dev/shm full: every rank must hear of it
+                error = f"rank {self.global_rank} could not create the shm segment: {exc}"
+        name = comm.bcast(seg.name if seg is not None else error, root=0)
+        if self.rank != 0 and error is None and name.startswith("/"):
+            try:
+                seg = native.ShmComm.attach(name, self.size, self.rank, self.global_rank)
+            except Exception as exc:
+                error = f"rank {self.global_rank} could not attach shm segment {name}: {exc}"
+        if seg is not None:
+            seg.register_rank()  # the last rank to count itself in unlinks the name
+        errors = [e for e in comm.allgather(error) if e]
+        if not name.startswith("/"):
+            errors.insert(0, name)
+        comm.Barrier()
+        if seg is not None:
+            seg.unlink()  # normally gone already; this covers a rank that failed to attach
+        if errors:
+            if seg is not None:
+                seg.close()
+            raise TransportError("; ".join(errors))
+        return seg
+
+    def _call(self, method: str, *args) -> None:
+        if self._native is None:
+            raise TransportError(f"the shm transport on rank {self.global_rank} is closed")
+        try:
+            getattr(self._native, method)(*args, self.timeout_s, self.should_stop)
+        except RuntimeError as exc:
+            if isinstance(exc, TransportError):
+                raise
+            raise TransportError(str(exc)) from None
+
+    # -- the Transport interface -----------------------------------------------------------
+    def allreduce(self, buf: np.ndarray, op) -> None:
+        _contiguous(buf, "allreduce", writeable=True)
+        self._call("allreduce", _address(buf), buf.size, dtype_code(buf.dtype), op_code(op))
+
+    def reduce(self, buf: np.ndarray, op, root: int) -> None:
+        """Reduce into `root`'s buf (the hierarchical path's first step); others' buf is kept."""
+        _contiguous(buf, "reduce", writeable=True)
+        self._call("reduce", _address(buf), buf.size, dtype_code(buf.dtype), op_code(op), int(root))
+
+    def allgatherv(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int]) -> None:
+        _contiguous(send, "allgather (send)")
+        _contiguous(recv, "allgather (receive)", writeable=True)
+        item = recv.dtype.itemsize
+        counts = [int(c) for c in counts]
+        if len(counts) != self.size or sum(counts) != recv.size or send.size != counts[self.rank]:
+            raise ValueError(f"allgather counts {counts} do not match the buffers "
+                             f"(send {send.size}, receive {recv.size}) on rank {self.global_rank}")
+        self._call("allgatherv", _address(send), _address(recv), [c * item for c in counts])
+
+    def broadcast(self, buf: np.ndarray, root: int) -> None:
+        _contiguous(buf, "broadcast", writeable=True)
+        self._call("broadcast", _address(buf), buf.nbytes, int(root))
+
+    def alltoallv(self, send: np.ndarray, send_counts: Sequence[int],
+                  recv: np.ndarray, recv_counts: Sequence[int]) -> None:
+        _contiguous(send, "alltoall (send)")
+        _contiguous(recv, "alltoall (receive)", writeable=True)
+        item = send.dtype.itemsize
+        sc, rc = [int(c) for c in send_counts], [int(c) for c in recv_counts]
+        if sum(sc) != send.size or sum(rc) != recv.size:
+            raise ValueError(f"alltoall counts do not match the buffers on rank {self.global_rank}")
+        self._call("alltoallv", _address(send), [c * item for c in sc], _address(recv),
+                   [c * item for c in rc])
+
+    def reducescatter(self, send: np.ndarray, recv: np.ndarray,
+                      counts: Sequence[int], op) -> None:
+        _contiguous(send, "reducescatter (send)")
+        _contiguous(recv, "reducescatter (receive)", writeable=True)
+        counts = [int(c) for c in counts]
+        if sum(counts) != send.size or recv.size != counts[self.rank]:
+            raise ValueError(f"reducescatter counts {counts} do not match the buffers "
+                             f"(send {send.size}, receive {recv.size}) on rank {self.global_rank}")
+        self._call("reducescatter", _address(send), _address(recv), counts,
+                   dtype_code(send.dtype), op_code(op))
+
+    def barrier(self) -> None:
+        self._call("barrier")
+
+    # -- failure and recovery --------------------------------------------------------------
+    def abort(self, reason: str) -> None:
+        """Fail the op running on every rank of the node (callable from any thread)."""
+        if self._native is not None:
+            self._native.abort(f"{reason}")
+
+    def abort_reason(self) -> str:
+        """Why the segment was aborted, or '' when it was not."""
+        return self._native.abort_reason() if self._native is not None else ""
+
+    def reset(self) -> None:
+        """Make the transport usable after an abort; collective over local_comm, no op running."""
+        self.comm.Barrier()
+        if self.rank == 0:
+            self._native.clear_shared()
+        self._native.reset_local()
+        self.comm.Barrier()
+
+    def close(self) -> None:
+        if self._native is not None:
+            self._native.close()
+            self._native = None
