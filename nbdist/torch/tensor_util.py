@@ -81,8 +81,19 @@ def contiguous_input(tensor: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
-def to_tensor(result, like: torch.Tensor) -> torch.Tensor:
-    """A result buffer from nbdist.common as a tensor of `like`'s dtype and device (no copy on CPU)."""
+def to_tensor(result, like: torch.Tensor, shape=None) -> torch.Tensor:
+    """A result buffer from nbdist.common as a tensor of `like`'s dtype and device (no copy on CPU).
+
+    `shape`, when given, is the shape the result must have: nbdist.common returns 0-d
+    inputs of allreduce/broadcast as shape (1,), so those are reshaped back (a view).
+    """
+    out = _to_tensor(result, like)
+    if shape is not None and tuple(out.shape) != tuple(shape):
+        out = out.reshape(shape)
+    return out
+
+
+def _to_tensor(result, like: torch.Tensor) -> torch.Tensor:
     if isinstance(result, torch.Tensor):
         return result
     if like.is_cuda:

@@ -1,0 +1,40 @@
+"""nbdist.torch on 2 and 4 ranks: each tests/ranks/torch_*.py file runs under mpiexec."""
+import importlib.util
+
+import pytest
+
+from conftest import run_rank_tests
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None,
+                                reason="PyTorch is not installed")
+
+RANK_FILES = ["torch_ops.py", "torch_autograd.py", "torch_training.py"]
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("rank_file", RANK_FILES)
+def test_torch_ranks(n, rank_file):
+    run_rank_tests(n, rank_file, timeout=400)
+
+
+def test_single_process_world():
+    """Without mpiexec, nbdist.torch runs as a world of one and the ops are identities."""
+    import torch
+
+    import nbdist.torch as hvd
+
+    hvd.init()
+    try:
+        x = torch.arange(4.0)
+        assert torch.equal(hvd.allreduce(x), x)
+        assert torch.equal(hvd.allgather(x), x)
+        assert torch.equal(hvd.broadcast(x, 0), x)
+        model = torch.nn.Linear(2, 1)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters())
+        model(torch.ones(3, 2)).sum().backward()
+        opt.step()
+        assert isinstance(opt, torch.optim.SGD)
+    finally:
+        hvd.shutdown()
