@@ -1,0 +1,155 @@
+"""Engine-side half of the notebook: runs inside each ipyparallel engine (one MPI rank).
+
+`setup()` is executed once on every engine right after the cluster starts. It
+  - makes a rank whose cell raises release its peers: the runtime's `abort`
+    fails every in-flight collective on every rank, so nobody waits for ever;
+  - exits the engine when the notebook kernel is gone (engines never outlive it);
+  - dumps a Python traceback on a fatal signal (faulthandler), so a segfault
+    leaves a clue in the engine log;
+  - reports rank, host, pid and GPUs for %dist_status.
+"""
+from __future__ import annotations
+
+import faulthandler
+import os
+import socket
+import sys
+import threading
+import time
+
+_KERNEL_WATCH_S = 1.0
+_state: dict = {"rank": None}
+
+# Errors that are consequences of another rank's failure, not causes: aborting
+# again for them would only replace the real reason in the peers' messages.
+FOLLOW_ON_ERRORS = ("AbortedError",)
+
+
+def _mpi_rank_size() -> tuple[int, int]:
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+
+
+def _runtime_abort(reason: str) -> None:
+    """Call nbdist.common.abort(reason) if the runtime is up; bounded so a broken runtime can't hang the engine."""
+    common = sys.modules.get("nbdist.common")
+    if common is None:
+        return
+    try:
+        if not common.is_initialized():
+            return
+    except Exception:
+        return
+    done = threading.Event()
+
+    def _call():
+        try:
+            common.abort(reason)
+        except Exception as exc:  # the cell's own error is what the user must see
+            print(f"nbdist: abort failed on this rank: {exc!r}", file=sys.stderr)
+        finally:
+            done.set()
+
+    threading.Thread(target=_call, name="nbdist-abort", daemon=True).start()
+    done.wait(2.0)
+
+
+def _on_cell_error(shell, etype, value, tb, tb_offset=None):
+    """IPython custom exception handler: release peers via abort, then show the normal traceback."""
+    if etype.__name__ not in FOLLOW_ON_ERRORS:
+        msg = str(value).splitlines()[0] if str(value) else ""
+        _runtime_abort(f"rank {_state['rank']} raised {etype.__name__}: {msg}"[:500])
+    # IPython's run_code calls a custom handler *instead of* showing the traceback, so show it
+    # here: that also records it for the execute reply the notebook side reads.
+    if issubclass(etype, SyntaxError):
+        shell.showsyntaxerror()
+    else:
+        shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
+    return None
+
+
+def _watch_kernel(kernel_pid: int) -> None:
+    """Exit this engine as soon as the notebook kernel's process is gone."""
+    while True:
+        time.sleep(_KERNEL_WATCH_S)
+        try:
+            os.kill(kernel_pid, 0)
+        except ProcessLookupError:
+            os._exit(3)
+        except PermissionError:
+            pass  # exists, owned by someone else: can't be our kernel's pid reused by us
+
+
+def _gpu_count() -> int:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    try:
+        return len([d for d in os.listdir("/dev") if d.startswith("nvidia") and d[6:].isdigit()])
+    except OSError:
+        return 0
+
+
+def _local_rank() -> int:
+    for var in ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "PMI_LOCAL_RANK"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 0
+
+
+def setup(kernel_pid: int | None, kernel_host: str) -> dict:
+    """Install the engine hooks once; return this rank's description."""
+    rank, size = _mpi_rank_size()
+    _state["rank"] = rank
+    if not _state.get("installed"):
+        _state["installed"] = True
+        from IPython import get_ipython
+
+        shell = get_ipython()
+        if shell is not None:
+            shell.set_custom_exc((BaseException,), _on_cell_error)
+        try:
+            faulthandler.enable(file=sys.__stderr__)
+        except Exception:
+            pass
+        if kernel_pid and socket.gethostname() == kernel_host:
+            threading.Thread(target=_watch_kernel, args=(kernel_pid,), name="nbdist-kernel-watch",
+                             daemon=True).start()
+    return describe()
+
+
+def describe() -> dict:
+    """This rank's rank, host, pid, GPUs and runtime state."""
+    rank, size = _mpi_rank_size()
+    common = sys.modules.get("nbdist.common")
+    initialized = False
+    transports = ""
+    if common is not None:
+        try:
+            initialized = bool(common.is_initialized())
+        except Exception:
+            initialized = False
+        if initialized:
+            transports = ", ".join(
+                name for name, query in (("mpi", "mpi_enabled"), ("nccl", "nccl_built"))
+                if getattr(common, query, lambda: False)())
+    return {
+        "rank": rank, "size": size, "host": socket.gethostname(), "pid": os.getpid(),
+        "local_rank": _local_rank(), "gpus": _gpu_count(),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "runtime": "initialized" if initialized else "not initialized", "transports": transports,
+    }
+
+
+def pin_gpu() -> str:
+    """--gpus: give this rank one GPU (its local rank), before any framework touches CUDA."""
+    count = _gpu_count()
+    if count == 0:
+        raise RuntimeError(f"rank {_state['rank']}: --gpus asked for a GPU but none is visible on "
+                           f"{socket.gethostname()}")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = [d.strip() for d in visible.split(",")] if visible else [str(i) for i in range(count)]
+    chosen = devices[_local_rank() % len(devices)]
+    os.environ["CUDA_VISIBLE_DEVICES"] = chosen
+    return chosen

@@ -1,0 +1,159 @@
+"""Reaper that keeps a notebook's cluster from outliving the notebook kernel.
+
+The controller and the mpiexec that owns the engines run in their own sessions
+(ipyparallel starts them so), so nothing kills them when the kernel is SIGKILLed
+or crashes. This small process, started beside each cluster, polls the kernel's
+pid; when the kernel is gone it kills the cluster's process trees, removes the
+MPI shared-memory segments they left behind and the private profile directory.
+It exits by itself once the cluster's processes are gone (a normal stop).
+
+Usage: python -m nbdist._watchdog KERNEL_PID KERNEL_START_TIME PROFILE_DIR START_TIME PID...
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+
+import psutil
+
+POLL_S = 0.5
+
+
+def _alive(pid: int, create_time: float | None = None) -> bool:
+    """True while the process exists (and is the same process, not a reused pid)."""
+    try:
+        proc = psutil.Process(pid)
+        if create_time is not None and abs(proc.create_time() - create_time) > 1.0:
+            return False
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def process_trees(pids: list[int]) -> list[psutil.Process]:
+    """The processes and all their descendants (collect before killing: orphans lose their parent)."""
+    procs: list[psutil.Process] = []
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+        except psutil.Error:
+            continue
+        try:
+            procs.extend(root.children(recursive=True))
+        except psutil.Error:
+            pass
+        procs.append(root)
+    return procs
+
+
+def kill_procs(procs: list[psutil.Process], grace_s: float = 2.0) -> None:
+    """SIGTERM the processes, then SIGKILL whatever remains after grace_s; wait for them to end."""
+    for proc in procs:
+        try:
+            proc.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=grace_s)
+
+
+def kill_trees(pids: list[int], grace_s: float = 2.0) -> None:
+    """SIGTERM the processes and all their descendants, then SIGKILL whatever remains."""
+    kill_procs(process_trees(pids), grace_s)
+
+
+# MPICH names its intra-node segments mpich_shm_*; nbdist's own transport uses nbdist*.
+SHM_PREFIXES = ("mpich_shm_", "nbdist")
+
+
+def _mapped_shm_files() -> set[str]:
+    """Every /dev/shm path that some live process of this user maps or holds open."""
+    held: set[str] = set()
+    me = os.getuid()
+    for proc in psutil.process_iter(["uids"]):
+        try:
+            if proc.info["uids"] is None or proc.info["uids"].real != me:
+                continue
+            with open(f"/proc/{proc.pid}/maps") as maps:
+                for line in maps:
+                    idx = line.find("/dev/shm/")
+                    if idx >= 0:
+                        held.add(line[idx:].strip().removesuffix(" (deleted)"))
+            for entry in os.scandir(f"/proc/{proc.pid}/fd"):
+                try:
+                    target = os.readlink(entry.path)
+                except OSError:
+                    continue
+                if target.startswith("/dev/shm/"):
+                    held.add(target)
+        except (OSError, psutil.Error):
+            continue
+    return held
+
+
+def remove_orphan_segments(since: float, known: set[str] | None = None) -> list[str]:
+    """Remove this user's MPI/nbdist segments created since `since` that no live process uses.
+
+    Segments are matched by prefix and age, and kept while any process still maps
+    them, so a concurrent MPI job of the same user keeps its own.
+    """
+    removed: list[str] = []
+    try:
+        entries = list(os.scandir("/dev/shm"))
+    except OSError:
+        return removed
+    candidates = []
+    for entry in entries:
+        path = entry.path
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if st.st_uid != os.getuid():
+            continue
+        ours = known is not None and path in known
+        if ours or (entry.name.startswith(SHM_PREFIXES) and st.st_mtime >= since - 2.0):
+            candidates.append(path)
+    if not candidates:
+        return removed
+    held = _mapped_shm_files()
+    for path in candidates:
+        if path in held:
+            continue
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            pass
+    return removed
+
+
+def main(argv: list[str]) -> int:
+    kernel_pid, kernel_start = int(argv[0]), float(argv[1])
+    profile_dir, since = argv[2], float(argv[3])
+    pids = [int(p) for p in argv[4:]]
+    # Ignore Ctrl-C aimed at the kernel's process group: we must outlive a kernel interrupt.
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    while True:
+        if not any(_alive(pid) for pid in pids):
+            return 0  # the cluster was stopped normally; its owner cleaned up
+        if not _alive(kernel_pid, kernel_start):
+            break
+        time.sleep(POLL_S)
+    kill_trees(pids)
+    remove_orphan_segments(since)
+    shutil.rmtree(profile_dir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

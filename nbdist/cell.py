@@ -1,0 +1,298 @@
+"""Running one cell on every rank and turning what happened into output or one clear error.
+
+The wait loop polls the cell's AsyncResult every POLL_S: it streams each rank's
+new output, drives the progress view (issue 7) when that module exists, and
+watches for the fault paths:
+  - a rank raised: its peers get ERROR_GRACE_S to fail by themselves (the
+    engine-side hook calls the runtime's abort), then the stragglers get SIGINT;
+  - a rank died: MPI stops the others; the cluster is restarted, saying so;
+  - --timeout or a notebook interrupt: every rank gets SIGINT;
+and if ranks ignore SIGINT for INTERRUPT_GRACE_S (stuck in C code) the cluster
+is restarted, saying so. The notebook is never left waiting for ever.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from . import display
+from .display import FailureReport, RankError
+
+POLL_S = 0.1
+ERROR_GRACE_S = 1.0
+INTERRUPT_GRACE_S = 5.0
+OUTPUT_WAIT_S = 2.0
+
+# Errors that follow from another rank's failure or from our own SIGINT.
+FOLLOW_ON = {"AbortedError", "KeyboardInterrupt", "CollectiveTimeoutError"}
+
+
+@dataclass
+class CellOptions:
+    timeout: float | None = None
+    targets: list[int] | None = None  # ranks; None = all
+    output: str = "all"
+    widgets: bool = True
+
+
+class _RankResult:
+    """Rank 0's last-expression value, displayed with its own MIME bundle."""
+
+    def __init__(self, content: dict, rank: int):
+        self.data = content.get("data", {})
+        self.metadata = content.get("metadata", {})
+        self.rank = rank
+
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        return self.data, self.metadata
+
+    def __repr__(self):
+        return self.data.get("text/plain", "")
+
+
+def _progress_view(ar, n_ranks: int, widgets: bool):
+    """issue 7's progress widget, if that module exists; None otherwise."""
+    try:
+        from . import progress_view
+    except ImportError:
+        return None
+    try:
+        return progress_view.attach(ar, n_ranks=n_ranks, widgets=widgets)
+    except Exception as exc:  # a broken widget must never break the cell
+        display.notice(f"progress view unavailable: {exc!r}", "warning")
+        return None
+
+
+class _Streamer:
+    """Feeds each rank's new stdout/stderr/display data (from ipyparallel metadata) to RankOutput."""
+
+    def __init__(self, ar, ranks: list[int], out: display.RankOutput):
+        self.children = list(zip(ranks, ar._children))
+        self.out = out
+        self.offsets = {(r, s): 0 for r in ranks for s in ("stdout", "stderr")}
+        self.n_outputs = {r: 0 for r in ranks}
+
+    def pump(self) -> None:
+        for rank, child in self.children:
+            md = child.output.metadata
+            for name in ("stdout", "stderr"):
+                text = md.get(name) or ""
+                start = self.offsets[(rank, name)]
+                if len(text) > start:
+                    self.offsets[(rank, name)] = len(text)
+                    self.out.add_stream(rank, name, text[start:])
+            outputs = md.get("outputs") or []
+            while self.n_outputs[rank] < len(outputs):
+                self.out.add_display(rank, outputs[self.n_outputs[rank]])
+                self.n_outputs[rank] += 1
+        self.out.flush()
+
+
+def _child_error(child):
+    """The child's error (a RemoteError / EngineError) or None while pending or successful."""
+    if not child.done():
+        return None
+    try:
+        res = child.result()
+    except Exception as exc:
+        return exc
+    return res if isinstance(res, BaseException) else None
+
+
+def _rank_error(rank: int, err, interrupted: bool) -> RankError:
+    ename = getattr(err, "ename", type(err).__name__)
+    evalue = str(getattr(err, "evalue", err))
+    tb = getattr(err, "traceback", None)
+    if isinstance(tb, (list, tuple)):  # execute replies carry IPython's structured traceback
+        lines = [line for chunk in tb for line in str(chunk).splitlines()]
+    else:
+        lines = tb.splitlines() if isinstance(tb, str) and tb else []
+    follow = ename in FOLLOW_ON and (ename != "KeyboardInterrupt" or interrupted)
+    return RankError(rank=rank, ename=ename, evalue=evalue, traceback=lines, follow_on=follow)
+
+
+def _is_death(err) -> bool:
+    return getattr(err, "ename", type(err).__name__) == "EngineError"
+
+
+def run(cluster, code: str, opts: CellOptions):
+    """Run code on the chosen ranks; return rank 0's result object or raise a display error."""
+    ranks = opts.targets if opts.targets is not None else sorted(cluster.ranks)
+    view = cluster.client[[cluster.engine_of(r) for r in ranks]]
+    out = display.RankOutput(ranks, mode=opts.output)
+    ar = view.execute(code, silent=False, block=False)
+    streamer = _Streamer(ar, ranks, out)
+    progress = _progress_view(ar, len(ranks), opts.widgets)
+
+    t0 = time.monotonic()
+    first_error_at = None
+    interrupted_at = None
+    cause = None  # 'error' | 'timeout' | 'interrupt' | 'died' | 'stuck'
+    died = False
+    try:
+        while True:
+            try:
+                done = ar.wait(POLL_S)
+                streamer.pump()
+                if progress is not None:
+                    try:
+                        progress.poll()
+                    except Exception:
+                        progress = None
+                if done:
+                    break
+                now = time.monotonic()
+                errors = [(r, _child_error(c)) for r, c in streamer.children]
+                if any(e is not None and _is_death(e) for _, e in errors) or not cluster.engines_alive():
+                    died = True
+                    break
+                if first_error_at is None and any(e is not None for _, e in errors):
+                    first_error_at = now
+                if (interrupted_at is None and first_error_at is not None
+                        and now - first_error_at > ERROR_GRACE_S):
+                    pending = [r for r, c in streamer.children if not c.done()]
+                    cluster.interrupt(pending)
+                    interrupted_at, cause = now, cause or "error"
+                if interrupted_at is None and opts.timeout and now - t0 > opts.timeout:
+                    cluster.interrupt(ranks)
+                    interrupted_at, cause = now, "timeout"
+                if interrupted_at is not None and now - interrupted_at > INTERRUPT_GRACE_S:
+                    cause = cause + "+stuck" if cause else "stuck"
+                    break
+            except KeyboardInterrupt:
+                if cause is None or not cause.startswith("interrupt"):
+                    cluster.interrupt(ranks)
+                    interrupted_at, cause = time.monotonic(), "interrupt"
+                else:  # a second Ctrl-C: stop waiting for the ranks
+                    cause = "interrupt+stuck"
+                    break
+    finally:
+        # Output travels on IOPub, the reply on another socket: wait briefly for the stragglers.
+        if ar.ready():
+            try:
+                ar.wait_for_output(OUTPUT_WAIT_S)
+            except Exception:
+                pass
+        streamer.pump()
+        out.finish()
+
+    errors = [(r, _child_error(c)) for r, c in streamer.children]
+    if not died:
+        died = any(e is not None and _is_death(e) for _, e in errors)
+    if died:
+        state = "failed"
+        report = _death_report(cluster, ranks, errors)
+        _finish(progress, state, report)
+        raise display.RankDied(report)
+
+    failed = [(r, e) for r, e in errors if e is not None]
+    stuck = cause is not None and cause.endswith("stuck")
+    if not failed and not stuck and cause is None:
+        _finish(progress, "done", None)
+        lead_md = streamer.children[0][1].output.metadata if streamer.children else {}
+        result = lead_md.get("execute_result")
+        return _RankResult(result, ranks[0]) if result else None
+
+    we_interrupted = interrupted_at is not None
+    rank_errors = [_rank_error(r, e, we_interrupted) for r, e in failed]
+    primary = _primary(rank_errors, streamer.children)
+    others = [e for e in rank_errors if e is not primary]
+    notes = []
+    if stuck:
+        silent = [r for r, c in streamer.children if not c.done()]
+        notes.append(f"rank{'s' if len(silent) != 1 else ''} {display._ranges(silent)} did not respond to "
+                     f"the interrupt within {INTERRUPT_GRACE_S:.0f} s (stuck outside Python?); the cluster "
+                     f"was restarted - names defined in earlier cells are gone")
+        _restart(cluster)
+    base = cause.split("+")[0] if cause else "error"
+    if base == "timeout":
+        headline = f"the cell ran longer than --timeout {opts.timeout:g} s; every rank was interrupted"
+        if primary is not None and primary.ename != "KeyboardInterrupt":
+            headline += f" (rank {primary.rank} raised {primary.ename})"
+        report = FailureReport(headline, primary, others, notes)
+        _finish(progress, "timeout", report)
+        raise display.DistributedTimeout(report)
+    if base == "interrupt":
+        report = FailureReport("interrupted: every rank got KeyboardInterrupt", None,
+                               [e for e in rank_errors], notes)
+        _finish(progress, "interrupted", report)
+        raise display.DistributedInterrupt(report)
+    if primary is None:
+        headline = "the cell failed on every rank with follow-on errors only"
+    else:
+        headline = f"rank {primary.rank} raised {primary.ename}: {primary.evalue.splitlines()[0] if primary.evalue else ''}"
+    if first_error_at is not None and interrupted_at is not None and not stuck:
+        notes.append(f"ranks still running {ERROR_GRACE_S:g} s after the error were interrupted")
+    report = FailureReport(headline.rstrip(": "), primary, others, notes)
+    _finish(progress, "failed", report)
+    raise display.DistributedError(report)
+
+
+def _primary(errors: list[RankError], children) -> RankError | None:
+    """The cause: the earliest-finishing rank whose error is not a follow-on of another's."""
+    completed = {}
+    for rank, child in children:
+        md = child.output.metadata
+        completed[rank] = md.get("completed") or md.get("received")
+    causes = [e for e in errors if not e.follow_on] or []
+    if not causes:
+        return None
+
+    def key(err):
+        t = completed.get(err.rank)
+        return (t is None, t.timestamp() if hasattr(t, "timestamp") else 0.0, err.rank)
+
+    return sorted(causes, key=key)[0]
+
+
+def _finish(progress, state: str, report: FailureReport | None) -> None:
+    if progress is None:
+        return
+    failed_rank = report.primary.rank if report is not None and report.primary is not None else None
+    try:
+        progress.finish(state, failed_rank=failed_rank)
+    except Exception:
+        pass
+
+
+def _restart(cluster) -> None:
+    ind = display.StartIndicator(cluster.n, "restarting")
+    cluster.restart()
+    ind.done(f"cluster restarted: {cluster.n} fresh ranks (engine state was reset)", "warning")
+
+
+def _death_report(cluster, ranks: list[int], errors) -> FailureReport:
+    """Who died and how (hydra's exit codes), then restart the cluster cleanly."""
+    statuses = cluster.exit_statuses()
+    from .cluster import culprits, decode_wait_status
+
+    dead = culprits({r: s for r, s in statuses.items()})
+    if dead:
+        who = "; ".join(f"rank {r} died ({decode_wait_status(s)})" for r, s in sorted(dead.items()))
+    else:
+        lost = [r for r, e in errors if e is not None and _is_death(e)]
+        who = f"rank{'s' if len(lost) != 1 else ''} {display._ranges(lost) or '?'} died (exit status unknown)"
+    notes = []
+    fatal = _fatal_error_excerpt(cluster.engine_output())
+    if fatal:
+        notes.append("engine log:\n" + fatal)
+    others = [r for r in ranks if r not in dead]
+    if others and dead:
+        notes.append(f"MPI stopped the other rank{'s' if len(others) != 1 else ''} ({display._ranges(others)}) "
+                     f"when rank {min(dead)} died")
+    try:
+        _restart(cluster)
+        notes.append(f"the cluster was restarted with {cluster.n} fresh ranks: names defined in earlier "
+                     f"%%distributed cells are gone")
+    except Exception as exc:
+        notes.append(f"restarting the cluster failed: {exc}; run %dist_start -n {cluster.n}")
+    return FailureReport(who, None, [], notes)
+
+
+def _fatal_error_excerpt(log: str) -> str:
+    """faulthandler's 'Fatal Python error' block from the engine log, if a rank crashed in Python."""
+    idx = log.find("Fatal Python error")
+    if idx < 0:
+        return ""
+    block = log[idx:].split("\n\n")[0]
+    return "\n".join(block.splitlines()[:20])

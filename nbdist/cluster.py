@@ -1,0 +1,415 @@
+"""The notebook's cluster: one ipyparallel controller and N engines started by one mpiexec.
+
+One `DistCluster` per notebook kernel owns the ipyparallel `Cluster`, its `Client`
+and a `DirectView`; engine i is MPI rank i. It starts on demand, is reused while
+N is unchanged, restarts when N changes or after a rank died, and stops at
+%dist_stop, at kernel exit (atexit) and - via a watchdog process and an
+engine-side kernel watch - when the kernel dies. Nothing is left running and
+no MPI segment is left in /dev/shm.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from . import _watchdog
+
+MAX_RANKS = 1024  # far beyond one notebook's reach; an absurd -n fails before anything starts
+START_TIMEOUT_S = 120
+
+
+class ClusterError(RuntimeError):
+    """The cluster could not be started or used."""
+
+
+def venv_bin() -> Path:
+    """The bin directory of the running Python: the MPI (mpich wheel) installed beside it."""
+    return Path(sys.executable).parent
+
+
+def mpiexec_path() -> str:
+    """The mpiexec that belongs to this environment's mpi4py (the mpich wheel), else the PATH one."""
+    candidate = venv_bin() / "mpiexec"
+    if candidate.exists():
+        return str(candidate)
+    found = shutil.which("mpiexec")
+    if not found:
+        raise ClusterError("no mpiexec found: install the mpich wheel (pip install mpich) or a system MPI")
+    return found
+
+
+def decode_wait_status(status: int) -> str:
+    """Hydra reports raw wait statuses: exit code << 8, or the signal in the low bits."""
+    if status == 0:
+        return "exit status 0"
+    if status & 0x7F:
+        sig = status & 0x7F
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = f"signal {sig}"
+        return f"killed by signal {sig} ({name})"
+    return f"exit status {status >> 8}"
+
+
+_EXIT_CODES_RE = re.compile(r"Exit codes: \[(?P<host>[^\]]+)\] (?P<codes>[0-9,]+)")
+
+
+def parse_exit_codes(output: str, ranks_by_host: dict[str, list[int]] | None = None) -> dict[int, int]:
+    """Per-rank wait statuses from `mpiexec -print-all-exitcodes` output (ranks in order per host)."""
+    result: dict[int, int] = {}
+    next_rank = 0
+    for match in _EXIT_CODES_RE.finditer(output):
+        codes = [int(c) for c in match.group("codes").split(",") if c]
+        host = match.group("host")
+        ranks = (ranks_by_host or {}).get(host) or list(range(next_rank, next_rank + len(codes)))
+        for rank, code in zip(ranks, codes):
+            result[rank] = code
+        next_rank += len(codes)
+    return result
+
+
+def culprits(codes: dict[int, int]) -> dict[int, int]:
+    """The ranks that died by themselves: MPI kills the others with SIGKILL (9) after the first death."""
+    nonzero = {r: c for r, c in codes.items() if c}
+    own = {r: c for r, c in nonzero.items() if c != 9}
+    return own or nonzero
+
+
+@dataclass
+class RankInfo:
+    """What an engine told us about itself at start-up."""
+    rank: int
+    engine_id: int
+    host: str
+    pid: int
+    local_rank: int = 0
+    gpus: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class DistCluster:
+    """Owns one ipyparallel MPI cluster for this kernel (see the module docstring)."""
+
+    def __init__(self, notify=None):
+        self._notify = notify or (lambda text, level="info": print(f"nbdist: {text}", file=sys.stderr))
+        self.n: int | None = None
+        self.launcher = "local"
+        self.hosts: list[str] = []
+        self.env: dict[str, str] = {}
+        self.cluster = None
+        self.client = None
+        self.view = None
+        self.ranks: dict[int, RankInfo] = {}  # rank -> info
+        self._profile_dir: str | None = None
+        self._started_at = 0.0
+        self._watchdog: subprocess.Popen | None = None
+        self._atexit_registered = False
+        self.last_start_s: float | None = None
+
+    # ---- state -----------------------------------------------------------------------------
+
+    @property
+    def engine_ids(self) -> list[int]:
+        """Engine ids in rank order."""
+        return [self.ranks[r].engine_id for r in sorted(self.ranks)]
+
+    def engine_of(self, rank: int) -> int:
+        return self.ranks[rank].engine_id
+
+    def rank_of(self, engine_id: int) -> int:
+        for rank, info in self.ranks.items():
+            if info.engine_id == engine_id:
+                return rank
+        return engine_id
+
+    def _engine_sets(self):
+        return list(self.cluster.engines.values()) if self.cluster is not None else []
+
+    def _mpiexec_procs(self) -> list[psutil.Process]:
+        procs = []
+        for es in self._engine_sets():
+            proc = getattr(es, "process", None)
+            if proc is not None:
+                procs.append(proc)
+        return procs
+
+    def engines_alive(self) -> bool:
+        """True while every engine set's launcher process (mpiexec) runs and all engines are registered."""
+        if self.cluster is None or self.client is None:
+            return False
+        for proc in self._mpiexec_procs():
+            try:
+                if not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE:
+                    return False
+            except psutil.Error:
+                return False
+        return len(self.client.ids) >= (self.n or 0)
+
+    def is_running(self) -> bool:
+        ctl = getattr(self.cluster, "controller", None) if self.cluster is not None else None
+        return ctl is not None and self.engines_alive()
+
+    # ---- start / stop ----------------------------------------------------------------------
+
+    def ensure(self, n: int, launcher: str = "local", hosts: list[str] | None = None,
+               env: dict[str, str] | None = None) -> str:
+        """A running cluster of n ranks: 'reused', 'started' or 'restarted' (state reset)."""
+        hosts = list(hosts or [])
+        env = dict(env or {})
+        if self.cluster is not None:
+            same = (n == self.n and launcher == self.launcher and (not hosts or hosts == self.hosts)
+                    and (not env or env == self.env))
+            if same and self.is_running():
+                return "reused"
+            if same:
+                self._notify(f"the cluster of {self.n} ranks is no longer running; starting a fresh "
+                             f"one - engine state was reset", "warning")
+            else:
+                self._notify(f"restarting: {self.n} ranks -> {n} ranks; engine state (all names defined "
+                             f"in earlier %%distributed cells) was reset", "warning")
+            self.stop(quiet=True)
+            self.start(n, launcher, hosts, env)
+            return "restarted"
+        self.start(n, launcher, hosts, env)
+        return "started"
+
+    def _config(self, launcher: str, hosts: list[str]):
+        from traitlets.config import Config
+
+        cfg = Config()
+        mpi_args = ["-print-all-exitcodes"]
+        if hosts:
+            mpi_args += ["-hosts", ",".join(hosts)]
+        cfg.MPILauncher.mpi_cmd = [mpiexec_path()]
+        cfg.MPIEngineSetLauncher.mpi_args = mpi_args
+        # A kill must not leave a half-dead cluster behind for long.
+        cfg.LocalProcessLauncher.stop_seconds_until_kill = 3
+        if launcher == "ssh":
+            cfg.SSHEngineSetLauncher.engines = {h: 1 for h in hosts} if hosts else {}
+        return cfg
+
+    def start(self, n: int, launcher: str = "local", hosts: list[str] | None = None,
+              env: dict[str, str] | None = None) -> None:
+        """Start a controller and n MPI engines, connect, and install the engine hooks."""
+        import ipyparallel as ipp
+
+        if not isinstance(n, int) or n < 1 or n > MAX_RANKS:
+            raise ClusterError(f"-n must be between 1 and {MAX_RANKS}, got {n!r}")
+        hosts = list(hosts or [])
+        env = dict(env or {})
+        engines = {"local": "mpi", "mpi": "mpi", "slurm": "slurm", "ssh": "ssh"}.get(launcher)
+        if engines is None:
+            raise ClusterError(f"unknown launcher {launcher!r}: choose local, mpi, slurm or ssh")
+        t0 = time.monotonic()
+        self._started_at = time.time()
+        self._profile_dir = tempfile.mkdtemp(prefix="nbdist-ipp-")  # 0700: connection files stay private
+        engine_env = {"NBDIST_KERNEL_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1",
+                      "PATH": f"{venv_bin()}{os.pathsep}{os.environ.get('PATH', '')}", **env}
+        kwargs = {}
+        if hosts or launcher in ("slurm", "ssh"):
+            kwargs["controller_ip"] = "*"  # engines on other hosts must reach the controller
+        self.cluster = ipp.Cluster(engines=engines, n=n, profile_dir=self._profile_dir,
+                                   config=self._config(launcher, hosts), delay=0,
+                                   engine_timeout=START_TIMEOUT_S, log_level=40, **kwargs)
+        self.n, self.launcher, self.hosts, self.env = n, launcher, hosts, env
+        self._register_exit_hooks()
+        try:
+            self.cluster.start_controller_sync()
+            self.cluster.start_engines_sync(n, environment=engine_env)
+            self._start_watchdog()
+            self.client = self.cluster.connect_client_sync()
+            self._wait_for_engines(n)
+            self.view = self.client[:]
+            self.view.block = False
+            self._bootstrap()
+        except BaseException:
+            self.stop(quiet=True)
+            raise
+        self.last_start_s = time.monotonic() - t0
+
+    def _wait_for_engines(self, n: int) -> None:
+        """Wait for n registrations, failing early (with mpiexec's output) when the engines died."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while len(self.client.ids) < n:
+            for proc in self._mpiexec_procs():
+                try:
+                    dead = not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
+                except psutil.Error:
+                    dead = True
+                if dead:
+                    raise ClusterError(f"the engines exited while starting:\n{self.engine_output()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise ClusterError(f"only {len(self.client.ids)} of {n} engines registered within "
+                                   f"{START_TIMEOUT_S} s:\n{self.engine_output()[-3000:]}")
+            time.sleep(0.05)
+
+    def _bootstrap(self) -> None:
+        """Install the engine hooks and learn which engine is which rank."""
+        view = self.client[:]
+        code = ("import nbdist._engine as __nbdist_engine\n"
+                f"__nbdist_info = __nbdist_engine.setup({os.getpid()}, {socket.gethostname()!r})\n")
+        view.execute(code, block=True, silent=True)
+        infos = view.pull("__nbdist_info", block=True)
+        self.ranks = {}
+        for engine_id, info in zip(view.targets, infos):
+            self.ranks[info["rank"]] = RankInfo(rank=info["rank"], engine_id=engine_id, host=info["host"],
+                                                pid=info["pid"], local_rank=info["local_rank"],
+                                                gpus=info["gpus"], extra=info)
+        view.execute("del __nbdist_info, __nbdist_engine", block=True, silent=True)
+        if sorted(self.ranks) != list(range(len(self.ranks))):
+            raise ClusterError(f"the engines are not one MPI world (ranks {sorted(self.ranks)}); "
+                               f"the {self.launcher!r} launcher did not start them under one mpiexec")
+
+    def _start_watchdog(self) -> None:
+        pids = [self.cluster.controller.process.pid] + [p.pid for p in self._mpiexec_procs()]
+        me = psutil.Process()
+        cmd = [sys.executable, "-m", "nbdist._watchdog", str(os.getpid()), repr(me.create_time()),
+               self._profile_dir, repr(self._started_at), *map(str, pids)]
+        self._watchdog = subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def _register_exit_hooks(self) -> None:
+        if self._atexit_registered:
+            return
+        self._atexit_registered = True
+        atexit.register(self.stop, quiet=True)
+
+    def engine_output(self) -> str:
+        """mpiexec's combined output (engine logs, MPI's termination report)."""
+        parts = []
+        for es in self._engine_sets():
+            try:
+                es._output = None  # re-read the file: ipyparallel caches the first read
+                parts.append(es.get_output())
+            except Exception:
+                pass
+        return "\n".join(parts)
+
+    def exit_statuses(self, wait_s: float = 5.0) -> dict[int, int]:
+        """After a death: wait for mpiexec to finish and return each rank's wait status."""
+        deadline = time.monotonic() + wait_s
+        for proc in self._mpiexec_procs():
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except (psutil.TimeoutExpired, psutil.Error):
+                pass
+        by_host: dict[str, list[int]] = {}
+        for rank in sorted(self.ranks):
+            by_host.setdefault(self.ranks[rank].host, []).append(rank)
+        return parse_exit_codes(self.engine_output(), by_host)
+
+    def stop(self, quiet: bool = False) -> bool:
+        """Stop engines and controller, kill leftovers, remove segments and files. True if one ran."""
+        if self.cluster is None:
+            return False
+        cluster, self.cluster = self.cluster, None
+        pids = []
+        try:
+            if cluster.controller is not None and cluster.controller.process is not None:
+                pids.append(cluster.controller.process.pid)
+        except Exception:
+            pass
+        for es in cluster.engines.values():
+            proc = getattr(es, "process", None)
+            if proc is not None:
+                pids.append(proc.pid)
+        # Everything under the controller and mpiexec (engines, nannies, MPI proxies), taken
+        # now: once ipyparallel has killed mpiexec, its children are orphans we can't find.
+        tree = _watchdog.process_trees(pids)
+        if self.client is not None:
+            try:
+                self.client.close(linger=0)
+            except Exception:
+                pass
+        try:
+            cluster.stop_cluster_sync()
+        except Exception as exc:
+            if not quiet:
+                self._notify(f"ipyparallel could not stop the cluster cleanly ({exc!r}); killing it", "warning")
+        _watchdog.kill_procs([p for p in tree if _watchdog._alive(p.pid)], grace_s=2.0)
+        _watchdog.remove_orphan_segments(self._started_at)
+        if self._watchdog is not None:
+            try:
+                self._watchdog.kill()
+                self._watchdog.wait(5)
+            except Exception:
+                pass
+            self._watchdog = None
+        if self._profile_dir:
+            shutil.rmtree(self._profile_dir, ignore_errors=True)
+            self._profile_dir = None
+        self.client = self.view = None
+        self.ranks = {}
+        return True
+
+    def restart(self) -> None:
+        """Stop and start again with the same shape (after a fatal fault)."""
+        n, launcher, hosts, env = self.n, self.launcher, self.hosts, self.env
+        self.stop(quiet=True)
+        self.start(n, launcher, hosts, env)
+
+    # ---- signals ---------------------------------------------------------------------------
+
+    def interrupt(self, ranks: list[int] | None = None) -> None:
+        """SIGINT the given ranks (default all) through their nannies; fall back to mpiexec's relay."""
+        targets = [self.engine_of(r) for r in (ranks if ranks is not None else sorted(self.ranks))
+                   if r in self.ranks]
+        if not targets or self.client is None:
+            return
+        try:
+            self.client.send_signal(signal.SIGINT, targets=targets, block=False)
+        except Exception:
+            if self.cluster is not None:
+                try:
+                    self.cluster.signal_engines_sync(signal.SIGINT)
+                except Exception:
+                    pass
+
+    # ---- status ----------------------------------------------------------------------------
+
+    def status_rows(self, busy_engines: set[int] | None = None) -> list[dict]:
+        """One row per rank for %dist_status, refreshed from the engines when they are idle."""
+        rows = []
+        fresh = {}
+        if self.client is not None and not busy_engines:
+            try:
+                view = self.client[self.engine_ids]
+                ar = view.apply_async(_describe_on_engine)
+                if ar.wait(5):
+                    fresh = {info["rank"]: info for info in ar.get()}
+            except Exception:
+                fresh = {}
+        queue = {}
+        try:
+            queue = self.client.queue_status() if self.client is not None else {}
+        except Exception:
+            pass
+        for rank in sorted(self.ranks):
+            info = self.ranks[rank]
+            desc = fresh.get(rank, info.extra)
+            q = queue.get(info.engine_id, {}) if isinstance(queue, dict) else {}
+            busy = bool(q.get("queue")) or bool(q.get("tasks")) or (
+                busy_engines is not None and info.engine_id in busy_engines)
+            rows.append({"rank": rank, "engine": info.engine_id, "host": info.host, "pid": info.pid,
+                         "gpus": desc.get("gpus", 0), "transports": desc.get("transports", ""),
+                         "runtime": desc.get("runtime", ""), "state": "busy" if busy else "idle"})
+        return rows
+
+
+def _describe_on_engine():
+    import nbdist._engine
+
+    return nbdist._engine.describe()
