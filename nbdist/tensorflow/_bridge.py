@@ -82,13 +82,16 @@ def run(submit: Submit, inputs: Sequence, out_dtypes: Sequence[tf.DType],
             "the model with model.compile(..., jit_compile=False), or use "
             "@tf.function(jit_compile=False).")
 
+    # Plain Python on numpy arrays: keep autograph from rewriting these.
+    @tf.autograph.experimental.do_not_convert
     def _submit(*arrays):
         return _register(submit(*arrays))
 
+    @tf.autograph.experimental.do_not_convert
     def _wait(handle):
         results = _take(handle)()
         # numpy_function insists on the exact declared dtypes.
-        return [np.ascontiguousarray(np.asarray(r, dtype=d.as_numpy_dtype))
+        return [np.asarray(r, dtype=d.as_numpy_dtype, order="C")
                 for r, d in zip(results, out_dtypes)]
 
     graph = tf.compat.v1.get_default_graph()
@@ -100,7 +103,8 @@ def run(submit: Submit, inputs: Sequence, out_dtypes: Sequence[tf.DType],
     setattr(graph, _LAST_SUBMIT, handle.op)
     if not out_dtypes:
         # Nothing comes back (e.g. a check): the wait still has to run for its error.
-        done = tf.numpy_function(lambda h: (_take(h)(), np.int64(0))[1], [handle], tf.int64,
+        done = tf.numpy_function(tf.autograph.experimental.do_not_convert(
+            lambda h: (_take(h)(), np.int64(0))[1]), [handle], tf.int64,
                                  stateful=True, name="NbdistWait")
         return [done]
     outputs = tf.numpy_function(_wait, [handle], list(out_dtypes), stateful=True,
