@@ -35,22 +35,25 @@ COORDINATOR = 0
 
 
 class Backoff:
-    """Sleep schedule for polling: spin, then 20 µs doubling to a cap that grows with waiting."""
+    """Sleep schedule for polling: spin ~50 µs, then sleeps from 20 µs growing 1.5× to a cap.
+
+    The cap is 1 ms for the first 200 ms of waiting, then 10 ms: quick answers stay
+    quick, and a long wait (a slow peer) costs almost no CPU.
+    """
 
     def __init__(self):
         self.reset()
 
     def reset(self) -> None:
-        self.spins = 0
         self.delay = 0.0
         self.since = time.monotonic()
 
     def next_delay(self) -> float:
-        self.spins += 1
-        if self.spins < 50:
+        waited = time.monotonic() - self.since
+        if waited < 50e-6:
             return 0.0
-        cap = 1e-3 if time.monotonic() - self.since < 0.2 else 10e-3
-        self.delay = min(cap, max(20e-6, self.delay * 2))
+        cap = 1e-3 if waited < 0.2 else 10e-3
+        self.delay = min(cap, max(20e-6, self.delay * 1.5))
         return self.delay
 
 
@@ -74,7 +77,7 @@ class Engine:
         self._sends: list = []
         self._stopping = False
         self._broken: str | None = None
-        self._abort_reason: str | None = None
+        self._abort_sent = False  # keep polling until rank 0's abort comes back
         self.auto_name_counter = 0
         self.last_response_at = 0.0
         self.coordinator = (Coordinator(self.size, config.fusion_threshold, config.cache_capacity,
@@ -106,11 +109,19 @@ class Engine:
             self._queue.append(request)
             self._cv.notify()
 
-    def abort(self, reason: str) -> None:
-        """Fail every op in flight on every rank with `reason` (non-blocking)."""
+    def abort(self, reason: str, wait_s: float = 5.0) -> None:
+        """Fail every op in flight on every rank with `reason`.
+
+        Waits (up to wait_s) until this rank has seen the abort come back from rank 0,
+        so the ops it submits afterwards belong to the new epoch and run normally.
+        """
         with self._cv:
+            epoch = self.epoch
             self._control.append(("abort", reason))
             self._cv.notify()
+        deadline = time.monotonic() + wait_s
+        while self.epoch == epoch and time.monotonic() < deadline and not self._broken:
+            time.sleep(0.001)
 
     def stop(self, timeout: float = 5.0) -> None:
         with self._cv:
@@ -161,25 +172,28 @@ class Engine:
 
     def _idle(self) -> bool:
         coordinator_idle = self.coordinator is None or not self.coordinator.has_work()
-        return not self._local and coordinator_idle and not self._sends
+        return (not self._local and coordinator_idle and not self._sends
+                and not self._abort_sent)
 
     def _cycle(self, new: list[Request], control: list[tuple]) -> bool:
         """One pass: take in messages, send requests, run what is agreed. True if it did work."""
         worked = self._drain_incoming()  # first, so an abort from rank 0 is seen before sending
         self._sends = [s for s in self._sends if not s.Test()]
+        if new:  # before control items: a poison must find the op it names
+            worked = True
+            self._send_requests(new)
         if control:
             worked = True
             for item in control:
                 self._send_control(item)
-        if new:
-            worked = True
-            self._send_requests(new)
         if self.coordinator is not None:
             worked = self._coordinate() or worked
         return worked
 
     def _send_control(self, item: tuple) -> None:
         message = (item[0], self.epoch, self.rank) + item[1:]
+        if item[0] == "abort":
+            self._abort_sent = True
         if self.coordinator is not None:
             self._on_message(message)
         else:
@@ -265,9 +279,10 @@ class Engine:
     def _on_broadcast(self, message: tuple) -> None:
         kind, epoch = message[0], message[1]
         if kind == "abort":
-            self.epoch = epoch
-            self.auto_name_counter = 0
             self._fail_all(errors.AbortedError(message[2]))
+            self.auto_name_counter = 0
+            self._abort_sent = False
+            self.epoch = epoch  # last: abort() returns once it sees this
             return
         for unit in message[2]:
             responses = [self._templates[e] if isinstance(e, int) else e for e in unit]

@@ -29,6 +29,8 @@ class Executor:
         self.size = size
         self.choose = choose  # (device, kind) -> Transport
         self._fusion: dict[str, np.ndarray] = {}
+        # counters for tests and `nbdist bench`: how often fusion happened
+        self.stats = {"allreduce_ops": 0, "allreduce_units": 0, "units": 0}
 
     # -- helpers -----------------------------------------------------------------------
     def _fusion_buffer(self, dtype: np.dtype, elements: int) -> np.ndarray:
@@ -75,6 +77,10 @@ class Executor:
                             req.handle.set_error(make_error(resp.error))
             return
         reqs = [local.pop(resp.names[0], None) for resp in unit]
+        self.stats["units"] += 1
+        if first.kind == ALLREDUCE:
+            self.stats["allreduce_ops"] += len(unit)
+            self.stats["allreduce_units"] += 1
         try:
             if first.kind == ALLREDUCE:
                 self._allreduce(unit, reqs)

@@ -333,5 +333,3 @@ def abort(reason: str) -> None:
     """Fail every in-flight op on every rank with `reason`; the runtime stays usable."""
     if basics.is_initialized():
         basics.engine().abort(reason)
-        # give the abort a moment to reach rank 0 before the caller moves on
-        time.sleep(0.01)

@@ -3,24 +3,77 @@
 This is the one place that decides which transport moves an op's bytes:
 GPU buffers → NCCL; CPU buffers on one node → shared memory; CPU buffers across
 nodes → hierarchical (shared memory inside a node, MPI between node leaders);
-NBDIST_CPU_OPERATIONS=mpi|shm|hierarchical overrides the CPU choice.
+NBDIST_CPU_OPERATIONS=mpi|shm|hierarchical overrides the CPU choice. Kinds a
+native transport lacks (alltoall across nodes) stay on MPI.
+
+Every choice is agreed by all ranks at init (a rank without the native module
+makes every rank use MPI), because a collective must use the same transport
+on every rank.
 """
 from __future__ import annotations
 
 from ..transport import Transport
 from .mpi import MPITransport
 
+SHM_KINDS = frozenset({"allreduce", "allgather", "broadcast", "alltoall", "reducescatter"})
+HIERARCHICAL_KINDS = frozenset({"allreduce", "allgather", "broadcast", "reducescatter"})
+KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter")
+
 
 class TransportSet:
     """Creates the transports at init() and hands out the right one for each op."""
 
     def __init__(self, config, topology, should_stop):
+        from mpi4py import MPI
+
+        from .shm import ShmTransport, native_module
+
         self.config = config
         self.topology = topology
         self.mpi: Transport = MPITransport(topology.data_comm, config.timeout_s, should_stop)
-        self.shm: Transport | None = None  # the native module's, when built
+        self.shm: Transport | None = None
         self.hierarchical: Transport | None = None
         self.nccl: Transport | None = None
+        self.nccl_reason = ""
+        comm = topology.data_comm
+        nodes = comm.allreduce(1 if topology.local_rank == 0 else 0)
+        self.multi_node = nodes > 1
+        # A node of one rank needs no shared memory, so it does not need the module either.
+        native_ok = native_module() is not None or topology.local_size == 1
+        native_ok = bool(comm.allreduce(int(native_ok), op=MPI.MIN))
+        self.cpu_mode = self._cpu_mode(config.cpu_operations, native_ok, topology.size)
+        if self.cpu_mode in ("shm", "hierarchical") and topology.local_size > 1:
+            self.shm = ShmTransport(topology.local_comm, topology.rank, config.timeout_s, should_stop)
+        if self.cpu_mode == "hierarchical":
+            from .hierarchical import HierarchicalTransport
+
+            self.hierarchical = HierarchicalTransport(topology, self.shm, config.timeout_s, should_stop)
+        self._init_nccl(comm, config, should_stop)
+
+    def _cpu_mode(self, requested: str, native_ok: bool, size: int) -> str:
+        """'mpi', 'shm' or 'hierarchical', the same on every rank."""
+        if requested in ("shm", "hierarchical") and not native_ok:
+            raise RuntimeError(
+                f"NBDIST_CPU_OPERATIONS={requested} needs the native module (nbdist._native) on "
+                "every rank, and some rank does not have it; rebuild nbdist "
+                "(pip install -e .) or use NBDIST_CPU_OPERATIONS=mpi")
+        if requested == "mpi" or size == 1 or not native_ok:
+            return "mpi"
+        if requested == "hierarchical" or self.multi_node:
+            return "hierarchical"  # 'shm' across nodes: shared memory inside each node
+        return "shm"
+
+    def _init_nccl(self, comm, config, should_stop) -> None:
+        from mpi4py import MPI
+
+        from .nccl import NCCLTransport, load_nccl
+
+        self.nccl_reason = load_nccl()
+        everywhere = comm.allreduce(int(self.nccl_reason == ""), op=MPI.MIN)
+        if everywhere:
+            self.nccl = NCCLTransport(comm, config.timeout_s, should_stop)
+        elif not self.nccl_reason:
+            self.nccl_reason = "NCCL is not available on every rank"
 
     def for_op(self, device: str, kind: str) -> Transport:
         """The transport for an op on `device` ('cpu' or 'cuda:N') of the given kind."""
@@ -28,14 +81,34 @@ class TransportSet:
             if self.nccl is None:
                 raise RuntimeError(
                     f"{kind} on a GPU buffer ({device}) needs the NCCL transport, which is not "
-                    "available here (nccl_built() is False); move the tensor to the CPU")
+                    f"available here ({self.nccl_reason}); move the tensor to the CPU")
             return self.nccl
+        if self.cpu_mode == "hierarchical":
+            if kind in HIERARCHICAL_KINDS:
+                return self.hierarchical
+            if kind in SHM_KINDS and self.shm is not None and not self.multi_node:
+                return self.shm
+            return self.mpi
+        if self.cpu_mode == "shm" and kind in SHM_KINDS and self.shm is not None:
+            return self.shm
         return self.mpi
 
     def describe(self) -> dict:
         """Which transport each kind of op would use, for `nbdist doctor`."""
-        return {"cpu": self.for_op("cpu", "allreduce").name,
-                "gpu": self.nccl.name if self.nccl else "unavailable"}
+        cpu = {kind: self.for_op("cpu", kind).name for kind in KINDS}
+        return {"cpu_mode": self.cpu_mode, "cpu": cpu,
+                "gpu": self.nccl.name if self.nccl else f"unavailable ({self.nccl_reason})"}
+
+    def abort(self, reason: str) -> None:
+        """Release peers waiting in a native transport (any thread)."""
+        for transport in (self.nccl, self.hierarchical, self.shm):
+            if transport is not None and hasattr(transport, "abort"):
+                transport.abort(reason)
+
+    def reset(self) -> None:
+        """Make the shm transport usable after an abort (collective, no op running)."""
+        if self.shm is not None:
+            self.shm.reset()
 
     def close(self) -> None:
         for transport in (self.nccl, self.hierarchical, self.shm, self.mpi):

@@ -1,0 +1,337 @@
+"""nbdist.common collectives on every rank (run under mpiexec -n 2 and -n 4 by test_common.py).
+
+Every rank runs the same tests in the same order. Values are small integers so
+results are exact for every dtype (float16 and bfloat16 included).
+"""
+import itertools
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import nbdist.common as hvd
+from nbdist.common.ops_base import BFLOAT16
+
+hvd.init()
+RANK, SIZE = hvd.rank(), hvd.size()
+
+DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64, np.uint8, np.int8]
+if BFLOAT16 is not None:
+    DTYPES.append(BFLOAT16)
+SHAPES = [(0,), (5,), (3, 4), (2, 3, 2)]
+DTYPE_IDS = [np.dtype(d).name for d in DTYPES]
+
+
+def base(shape, dtype):
+    """Small values 0..3 so sums and products fit even in uint8 with 4 ranks."""
+    return (np.arange(int(np.prod(shape))) % 4).reshape(shape).astype(dtype)
+
+
+def test_init_twice_and_topology():
+    hvd.init()
+    assert hvd.is_initialized()
+    assert 0 <= RANK < SIZE
+    assert 0 <= hvd.local_rank() < hvd.local_size() <= SIZE
+    assert hvd.cross_size() * hvd.local_size() == SIZE
+    assert hvd.mpi_built() and hvd.mpi_enabled()
+    assert hvd.mpi_threads_supported()
+    assert hvd.nccl_built() in (True, False)
+    ranks = hvd.allgather_object(RANK)
+    assert ranks == list(range(SIZE))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_allreduce_ops(dtype, shape):
+    b = base(shape, dtype)
+    x = b * np.asarray(RANK + 1, dtype=dtype) if np.dtype(dtype) != BFLOAT16 else (
+        b.astype(np.float32) * (RANK + 1)).astype(dtype)
+    factors = np.arange(1, SIZE + 1)
+    wide = b.astype(np.float64)
+    expected = {
+        hvd.Sum: wide * factors.sum(),
+        hvd.Min: wide * factors.min(),
+        hvd.Max: wide * factors.max(),
+        hvd.Product: wide ** SIZE * np.prod(factors),
+    }
+    for op, want in expected.items():
+        if op == hvd.Product and np.dtype(dtype) in (np.dtype(np.uint8), np.dtype(np.int8)):
+            want = np.where(wide > 1, np.nan, want)  # overflow: skip those entries
+        got = hvd.allreduce(x, op=op, name=f"ar.{np.dtype(dtype).name}.{shape}.{int(op)}")
+        assert got.dtype == np.dtype(dtype) and got.shape == shape
+        mask = ~np.isnan(want)
+        np.testing.assert_allclose(got.astype(np.float64)[mask], want[mask], rtol=1e-2)
+    avg = hvd.allreduce(x, name=f"ar.avg.{np.dtype(dtype).name}.{shape}")
+    if np.dtype(dtype).kind in "iu":
+        want = np.floor(wide * factors.sum() / SIZE)
+    else:
+        want = wide * factors.mean()
+    np.testing.assert_allclose(avg.astype(np.float64), want, rtol=1e-2)
+    # the input is never changed by the out-of-place form
+    np.testing.assert_array_equal(x, b * np.asarray(RANK + 1, dtype=dtype) if np.dtype(
+        dtype) != BFLOAT16 else (b.astype(np.float32) * (RANK + 1)).astype(dtype))
+
+
+def test_allreduce_inplace_and_scaling():
+    x = np.full((4, 4), RANK + 1, np.float32)
+    out = hvd.allreduce_(x, op=hvd.Sum, name="inplace")
+    assert out is x
+    np.testing.assert_array_equal(x, np.full((4, 4), SIZE * (SIZE + 1) / 2))
+    y = np.ones(8, np.float64)
+    got = hvd.allreduce(y, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5, name="scaled")
+    np.testing.assert_allclose(got, np.full(8, SIZE))
+    got = hvd.allreduce(y, op=hvd.Average, postscale_factor=3.0, name="scaled.avg")
+    np.testing.assert_allclose(got, np.full(8, 3.0))
+
+
+def test_grouped_allreduce():
+    arrays = [np.full(i + 1, RANK, np.float32) for i in range(5)]
+    results = hvd.grouped_allreduce(arrays, op=hvd.Sum, name="group")
+    for i, r in enumerate(results):
+        np.testing.assert_array_equal(r, np.full(i + 1, SIZE * (SIZE - 1) / 2))
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [np.bool_], ids=DTYPE_IDS + ["bool"])
+@pytest.mark.parametrize("inner", [(), (3,), (2, 2)], ids=str)
+def test_allgather_varying_first_dim(dtype, inner):
+    rows = RANK % 3  # 0 rows on some ranks
+    x = np.full((rows,) + inner, RANK % 2, dtype)
+    got = hvd.allgather(x, name=f"ag.{np.dtype(dtype).name}.{inner}")
+    expected = np.concatenate([np.full((r % 3,) + inner, r % 2, dtype) for r in range(SIZE)])
+    assert got.shape == expected.shape and got.dtype == np.dtype(dtype)
+    np.testing.assert_array_equal(got.astype(np.float64), expected.astype(np.float64))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_broadcast_every_root(dtype, shape):
+    for root in range(SIZE):
+        x = (base(shape, np.float32) + RANK).astype(dtype)
+        got = hvd.broadcast(x, root_rank=root, name=f"bc.{np.dtype(dtype).name}.{shape}.{root}")
+        np.testing.assert_array_equal(got.astype(np.float64),
+                                      (base(shape, np.float32) + root).astype(dtype).astype(np.float64))
+        np.testing.assert_array_equal(x.astype(np.float64),
+                                      (base(shape, np.float32) + RANK).astype(dtype).astype(np.float64))
+    y = np.full(3, RANK, np.int64)
+    assert hvd.broadcast_(y, root_rank=SIZE - 1, name="bc.inplace") is y
+    np.testing.assert_array_equal(y, np.full(3, SIZE - 1))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int64, np.uint8, np.float16], ids=str)
+def test_alltoall_with_splits(dtype):
+    # rank r sends (p + r) % 3 rows to rank p; each row holds [r, p]
+    splits = [(p + RANK) % 3 for p in range(SIZE)]
+    rows = [np.array([[RANK, p]] * splits[p], dtype).reshape(-1, 2) for p in range(SIZE)]
+    x = np.concatenate(rows)
+    got, received = hvd.alltoall(x, splits=splits, name=f"a2a.{np.dtype(dtype).name}")
+    want_splits = [(RANK + src) % 3 for src in range(SIZE)]
+    assert list(received) == want_splits
+    want = np.concatenate([np.array([[src, RANK]] * want_splits[src], dtype).reshape(-1, 2)
+                           for src in range(SIZE)])
+    np.testing.assert_array_equal(got, want)
+    even, even_splits = hvd.alltoall(np.arange(2 * SIZE, dtype=dtype), name="a2a.even")
+    assert list(even_splits) == [2] * SIZE
+    np.testing.assert_array_equal(even, np.tile(np.arange(2 * RANK, 2 * RANK + 2), SIZE).astype(dtype))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32, np.float16], ids=str)
+@pytest.mark.parametrize("rows", [1, SIZE, 2 * SIZE + 1])
+def test_reducescatter(dtype, rows):
+    x = np.full((rows, 3), RANK + 1, dtype)
+    got = hvd.reducescatter(x, op=hvd.Sum, name=f"rs.{np.dtype(dtype).name}.{rows}")
+    base_rows, extra = divmod(rows, SIZE)
+    assert got.shape == (base_rows + (1 if RANK < extra else 0), 3)
+    np.testing.assert_array_equal(got, np.full(got.shape, SIZE * (SIZE + 1) // 2, dtype))
+    avg = hvd.reducescatter(np.full((rows, 3), 2.0 * RANK, np.float32), name=f"rs.avg.{rows}")
+    np.testing.assert_allclose(avg, np.full(avg.shape, SIZE - 1.0))
+
+
+def test_objects():
+    obj = hvd.broadcast_object({"from": RANK, "list": list(range(RANK + 1))}, root_rank=SIZE - 1)
+    assert obj == {"from": SIZE - 1, "list": list(range(SIZE))}
+    everyone = hvd.allgather_object({"rank": RANK, "pad": "x" * RANK * 100})
+    assert [e["rank"] for e in everyone] == list(range(SIZE))
+    assert hvd.broadcast_object(lambda v: v + 1, root_rank=0)(1) == 2  # cloudpickle
+
+
+def test_async_poll_synchronize():
+    handles = [hvd.allreduce_async(np.full(4, i, np.float32), op=hvd.Sum, name=f"async.{i}")
+               for i in range(10)]
+    results = [hvd.synchronize(h) for h in handles]
+    assert all(hvd.poll(h) for h in handles)
+    for i, r in enumerate(results):
+        np.testing.assert_array_equal(r, np.full(4, i * SIZE))
+    h = hvd.allgather_async(np.array([RANK]), name="async.gather")
+    deadline = time.monotonic() + 30
+    while not hvd.poll(h):
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    np.testing.assert_array_equal(hvd.synchronize(h), np.arange(SIZE))
+    with pytest.raises(TypeError):
+        hvd.synchronize("not a handle")
+
+
+def test_different_submission_orders():
+    names = [f"order.{i}" for i in range(20)]
+    order = names if RANK % 2 == 0 else list(reversed(names))
+    if RANK == 2:
+        order = names[::2] + names[1::2]
+    handles = {n: hvd.allreduce_async(np.full(3, int(n.split(".")[1]), np.int64), op=hvd.Sum,
+                                      name=n) for n in order}
+    for n, h in handles.items():
+        np.testing.assert_array_equal(hvd.synchronize(h), np.full(3, int(n.split(".")[1]) * SIZE))
+    # mixed kinds, in different orders
+    ops = [lambda: hvd.allgather_async(np.array([RANK]), name="mix.gather"),
+           lambda: hvd.broadcast_async(np.array([RANK]), 0, name="mix.bcast"),
+           lambda: hvd.allreduce_async(np.array([1.0]), op=hvd.Sum, name="mix.reduce")]
+    if RANK % 2:
+        ops.reverse()
+    hs = [f() for f in ops]
+    values = sorted(hvd.synchronize(h).tolist() for h in hs)
+    assert [0] in values and [float(SIZE)] in values and list(range(SIZE)) in values
+
+
+def test_hundreds_of_small_ops_fused():
+    engine = hvd.basics.engine()
+    before = dict(engine.executor.stats)
+    count = 300
+    handles = [hvd.allreduce_async(np.full(7, i + RANK, np.float32), op=hvd.Sum,
+                                   name=f"small.{i}") for i in range(count)]
+    for i, h in enumerate(handles):
+        np.testing.assert_array_equal(hvd.synchronize(h),
+                                      np.full(7, i * SIZE + SIZE * (SIZE - 1) / 2))
+    ops = engine.executor.stats["allreduce_ops"] - before["allreduce_ops"]
+    units = engine.executor.stats["allreduce_units"] - before["allreduce_units"]
+    assert ops == count
+    assert units < count / 4, f"{count} small allreduces ran as {units} units: no fusion"
+
+
+def test_steady_state_uses_response_cache():
+    engine = hvd.basics.engine()
+    for step in range(3):
+        hs = [hvd.allreduce_async(np.ones(5, np.float32), name=f"steady.{i}") for i in range(10)]
+        [hvd.synchronize(h) for h in hs]
+    cached = [n for n in engine._cache if n.startswith("steady.")]
+    assert len(cached) == 10
+
+
+def test_one_op_of_64_mib():
+    n = 64 * 1024 * 1024 // 4
+    x = np.full(n, RANK + 1, np.float32)
+    got = hvd.allreduce(x, op=hvd.Sum, name="big")
+    assert got[0] == got[-1] == got[n // 2] == SIZE * (SIZE + 1) / 2
+    del got, x
+
+
+def test_barrier_and_join():
+    hvd.barrier()
+    # rank r does r+1 allreduces, then joins: the others go on with zeros from it
+    results = []
+    for step in range(SIZE):
+        if step <= RANK:
+            results.append(hvd.allreduce(np.ones(3, np.float32), op=hvd.Sum, name=f"join.{step}"))
+    last = hvd.join()
+    assert last == SIZE - 1
+    for step, r in enumerate(results):
+        np.testing.assert_array_equal(r, np.full(3, SIZE - step))
+    hvd.barrier()
+
+
+# -- errors: each followed by a working op ---------------------------------------------------
+def works(tag):
+    got = hvd.allreduce(np.ones(2, np.float32), op=hvd.Sum, name=f"works.{tag}")
+    np.testing.assert_array_equal(got, np.full(2, SIZE))
+
+
+@pytest.mark.parametrize("case", ["shape", "dtype", "op", "kind", "ndim-gather", "scale"])
+def test_mismatch_fails_on_every_rank(case):
+    odd = RANK == SIZE - 1
+    name = f"mismatch.{case}"
+    with pytest.raises(hvd.MismatchError) as info:
+        if case == "shape":
+            hvd.allreduce(np.ones(3 + odd, np.float32), name=name)
+        elif case == "dtype":
+            hvd.allreduce(np.ones(3, np.float64 if odd else np.float32), name=name)
+        elif case == "op":
+            hvd.allreduce(np.ones(3), op=hvd.Max if odd else hvd.Sum, name=name)
+        elif case == "kind":
+            if odd:
+                hvd.allgather(np.ones(3), name=name)
+            else:
+                hvd.allreduce(np.ones(3), name=name)
+        elif case == "ndim-gather":
+            hvd.allgather(np.ones((2, 2) if odd else (2,)), name=name)
+        elif case == "scale":
+            hvd.allreduce(np.ones(3), prescale_factor=2.0 if odd else 1.0, name=name)
+    message = str(info.value)
+    assert name in message and f"rank {SIZE - 1}" in message
+    works(case)
+
+
+def test_root_mismatch():
+    with pytest.raises(hvd.MismatchError, match="root rank"):
+        hvd.broadcast(np.ones(2), root_rank=RANK % 2, name="mismatch.root")
+    works("root")
+
+
+def test_name_in_flight_twice():
+    h = hvd.allreduce_async(np.ones(2), name="twice")
+    if RANK == 0:
+        with pytest.raises(ValueError, match="submitted twice"):
+            hvd.allreduce_async(np.ones(2), name="twice")
+    with pytest.raises(ValueError, match="submitted twice"):
+        hvd.synchronize(h)
+    works("twice")
+
+
+@pytest.mark.parametrize("bad,error,match", [
+    ([1.0, 2.0], TypeError, "Python list"),
+    (np.array([object(), 1], dtype=object), TypeError, "dtype=object"),
+    (np.ones(3, np.complex64), TypeError, "not supported"),
+    ("text", TypeError, "buffer-protocol"),
+])
+def test_bad_input_fails_before_sending(bad, error, match):
+    with pytest.raises(error, match=match):
+        hvd.allreduce(bad, name="bad.input")
+    works(f"bad.{type(bad).__name__}")
+
+
+def test_bad_input_inplace_and_args():
+    strided = np.ones((4, 4), np.float32)[:, ::2]
+    with pytest.raises(ValueError, match="C-contiguous"):
+        hvd.allreduce_(strided, name="bad.strided")
+    np.testing.assert_array_equal(hvd.allreduce(strided, op=hvd.Sum, name="ok.strided"),
+                                  np.full((4, 2), SIZE))  # out of place copies it
+    with pytest.raises(ValueError, match="out of range"):
+        hvd.broadcast(np.ones(2), root_rank=SIZE, name="bad.root")
+    with pytest.raises(ValueError, match="splits"):
+        hvd.alltoall(np.ones(5), splits=[5] + [1] * (SIZE - 1), name="bad.splits")
+    with pytest.raises(NotImplementedError, match="Adasum"):
+        hvd.allreduce(np.ones(2), op=hvd.Adasum, name="bad.adasum")
+    with pytest.raises(TypeError, match="bool"):
+        hvd.allreduce(np.ones(2, bool), name="bad.bool")
+    works("args")
+
+
+def test_abort_releases_peers():
+    if RANK == SIZE - 1:
+        time.sleep(0.2)
+        hvd.abort(f"rank {RANK} raised ZeroDivisionError (test)")
+    else:
+        start = time.monotonic()
+        with pytest.raises(hvd.AbortedError, match="ZeroDivisionError"):
+            hvd.allreduce(np.ones(2), name="aborted.op")
+        assert time.monotonic() - start < 10
+    hvd.barrier()
+    works("after.abort")
+
+
+def test_shutdown_and_init_again():
+    hvd.shutdown()
+    assert not hvd.is_initialized()
+    with pytest.raises(ValueError, match="init"):
+        hvd.rank()
+    hvd.init()
+    assert hvd.size() == SIZE
+    works("reinit")

@@ -1,0 +1,65 @@
+"""nbdist.common on 2 and 4 ranks under mpiexec, as a lone process, and its option parsing."""
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, run_rank_tests
+
+RANKS = [2, 4]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("n", RANKS)
+def test_collectives(n):
+    run_rank_tests(n, "common_collectives.py", timeout=840)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("n", RANKS)
+def test_stall_warning_and_timeout(n):
+    run_rank_tests(n, "common_stall.py", timeout=240,
+                   extra_env={"NBDIST_STALL_WARNING_S": "1", "NBDIST_TIMEOUT_S": "3"})
+
+
+@pytest.mark.timeout(120)
+def test_lone_process_without_mpiexec():
+    code = (
+        "import numpy as np, nbdist.common as hvd\n"
+        "hvd.init(); hvd.init()\n"
+        "assert (hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size()) == (0, 1, 0, 1)\n"
+        "assert (hvd.allreduce(np.arange(4.0)) == np.arange(4.0)).all()\n"
+        "assert hvd.allgather(np.ones((2, 3))).shape == (2, 3)\n"
+        "assert hvd.broadcast_object('x') == 'x' and hvd.allgather_object(5) == [5]\n"
+        "got, splits = hvd.alltoall(np.arange(3)); assert list(splits) == [3]\n"
+        "hvd.barrier(); assert hvd.join() == 0\n"
+        "hvd.shutdown(); print('lone ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=100)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "lone ok" in out.stdout
+
+
+def test_options_and_horovod_aliases(monkeypatch):
+    from nbdist.common.config import Config
+
+    monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", "1024")
+    monkeypatch.setenv("HOROVOD_CYCLE_TIME", "5")
+    monkeypatch.setenv("NBDIST_CYCLE_TIME", "2")
+    config = Config.from_environment()
+    assert config.fusion_threshold == 1024 and config.cycle_time_ms == 2.0
+    assert Config().fusion_threshold == 64 * 1024 * 1024
+    monkeypatch.setenv("NBDIST_TIMEOUT_S", "soon")
+    with pytest.raises(ValueError, match="NBDIST_TIMEOUT_S"):
+        Config.from_environment()
+    monkeypatch.delenv("NBDIST_TIMEOUT_S")
+    monkeypatch.setenv("NBDIST_CPU_OPERATIONS", "carrier-pigeon")
+    with pytest.raises(ValueError, match="CPU_OPERATIONS"):
+        Config.from_environment()
+
+
+def test_uninitialized_calls_say_so():
+    import nbdist.common as hvd
+
+    with pytest.raises(ValueError, match="init"):
+        hvd.rank()
