@@ -196,6 +196,9 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
         self.warmup_epochs = warmup_epochs
 
     def on_epoch_end(self, epoch, logs=None):
+        if epoch == self.end_epoch - 1:
+            # The per-batch ramp stops one batch short; land on initial_lr exactly.
+            _set_lr(self.model.optimizer, self.initial_lr)
         super().on_epoch_end(epoch, logs)
         if epoch == self.end_epoch - 1 and self.verbose > 0 and _c.rank() == 0:
             print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to "
