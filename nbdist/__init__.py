@@ -18,3 +18,22 @@ def unload_ipython_extension(ipython):
     from .magics import unload_ipython_extension as _unload
 
     _unload(ipython)
+
+
+# The engine-side reporting API and the notebook-side table, imported on first use
+# so that `import nbdist` stays cheap (no ipywidgets, no MPI).
+_LAZY = {
+    "report": ("metrics", "report"),
+    "progress": ("metrics", "progress"),
+    "TorchProgress": ("metrics", "TorchProgress"),
+    "last_metrics": ("progress_view", "last_metrics"),
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(f"{__name__}.{module}"), attr)
+    raise AttributeError(f"module 'nbdist' has no attribute {name!r}")
