@@ -18,6 +18,7 @@ import threading
 import time
 
 _KERNEL_WATCH_S = 1.0
+ABORT_WAIT_S = 6.0
 _state: dict = {"rank": None}
 
 # Errors that are consequences of another rank's failure, not causes: aborting
@@ -52,20 +53,34 @@ def _runtime_abort(reason: str) -> None:
             done.set()
 
     threading.Thread(target=_call, name="nbdist-abort", daemon=True).start()
-    done.wait(2.0)
+    # The runtime waits (bounded) until the abort went round, so this rank's next ops
+    # start in the new epoch; waiting here too keeps the next cell clean.
+    done.wait(ABORT_WAIT_S)
 
 
 def _on_cell_error(shell, etype, value, tb, tb_offset=None):
-    """IPython custom exception handler: release peers via abort, then show the normal traceback."""
-    if etype.__name__ not in FOLLOW_ON_ERRORS:
-        msg = str(value).splitlines()[0] if str(value) else ""
-        _runtime_abort(f"rank {_state['rank']} raised {etype.__name__}: {msg}"[:500])
-    # IPython's run_code calls a custom handler *instead of* showing the traceback, so show it
-    # here: that also records it for the execute reply the notebook side reads.
-    if issubclass(etype, SyntaxError):
-        shell.showsyntaxerror()
-    else:
-        shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
+    """IPython custom exception handler: show the traceback, then release the peers via abort.
+
+    The traceback goes first: it reaches the notebook at once (the error message on
+    IOPub tells the notebook this rank is finishing, not stuck), and IPython's run_code
+    calls a custom handler *instead of* showing the traceback, so nobody else would.
+    This handler must never raise: IPython unregisters a handler that fails.
+    """
+    try:
+        if issubclass(etype, SyntaxError):
+            shell.showsyntaxerror()
+        else:
+            shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
+    except BaseException:
+        pass
+    try:
+        # An interrupted collective aborts by itself (nbdist.common.synchronize), and the
+        # notebook interrupts every rank, so a KeyboardInterrupt needs no extra abort.
+        if etype.__name__ not in FOLLOW_ON_ERRORS and not issubclass(etype, KeyboardInterrupt):
+            msg = str(value).splitlines()[0] if str(value) else ""
+            _runtime_abort(f"rank {_state['rank']} raised {etype.__name__}: {msg}"[:500])
+    except BaseException:
+        pass
     return None
 
 

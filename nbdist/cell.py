@@ -22,6 +22,7 @@ POLL_S = 0.1
 ERROR_GRACE_S = 1.0
 INTERRUPT_GRACE_S = 5.0
 OUTPUT_WAIT_S = 2.0
+FINISHING_GRACE_S = 4.0  # a failed rank's abort may take the runtime's own wait
 
 # Errors that follow from another rank's failure or from our own SIGINT.
 FOLLOW_ON = {"AbortedError", "KeyboardInterrupt", "CollectiveTimeoutError"}
@@ -50,14 +51,14 @@ class _RankResult:
         return self.data.get("text/plain", "")
 
 
-def _progress_view(ar, n_ranks: int, widgets: bool):
+def _progress_view(ar, ranks: list[int], widgets: bool):
     """issue 7's progress widget, if that module exists; None otherwise."""
     try:
         from . import progress_view
     except ImportError:
         return None
     try:
-        return progress_view.attach(ar, n_ranks=n_ranks, widgets=widgets)
+        return progress_view.attach(ar, n_ranks=len(ranks), widgets=widgets, ranks=ranks)
     except Exception as exc:  # a broken widget must never break the cell
         display.notice(f"progress view unavailable: {exc!r}", "warning")
         return None
@@ -122,7 +123,7 @@ def run(cluster, code: str, opts: CellOptions):
     out = display.RankOutput(ranks, mode=opts.output)
     ar = view.execute(code, silent=False, block=False)
     streamer = _Streamer(ar, ranks, out)
-    progress = _progress_view(ar, len(ranks), opts.widgets)
+    progress = _progress_view(ar, ranks, opts.widgets)
 
     t0 = time.monotonic()
     first_error_at = None
@@ -146,17 +147,23 @@ def run(cluster, code: str, opts: CellOptions):
                 if any(e is not None and _is_death(e) for _, e in errors) or not cluster.engines_alive():
                     died = True
                     break
-                if first_error_at is None and any(e is not None for _, e in errors):
+                if first_error_at is None and (any(e is not None for _, e in errors) or any(
+                        c.output.metadata.get("error") for _, c in streamer.children)):
                     first_error_at = now
                 if (interrupted_at is None and first_error_at is not None
                         and now - first_error_at > ERROR_GRACE_S):
-                    pending = [r for r, c in streamer.children if not c.done()]
-                    cluster.interrupt(pending)
+                    # A rank that already showed its error is finishing (releasing its peers),
+                    # not stuck: interrupt only those that neither finished nor failed.
+                    pending = [r for r, c in streamer.children
+                               if not c.done() and not c.output.metadata.get("error")]
+                    if pending:
+                        cluster.interrupt(pending)
                     interrupted_at, cause = now, cause or "error"
                 if interrupted_at is None and opts.timeout and now - t0 > opts.timeout:
                     cluster.interrupt(ranks)
                     interrupted_at, cause = now, "timeout"
-                if interrupted_at is not None and now - interrupted_at > INTERRUPT_GRACE_S:
+                if interrupted_at is not None and now - interrupted_at > INTERRUPT_GRACE_S + (
+                        FINISHING_GRACE_S if cause == "error" else 0.0):
                     cause = cause + "+stuck" if cause else "stuck"
                     break
             except KeyboardInterrupt:

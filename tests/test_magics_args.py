@@ -1,0 +1,132 @@
+"""Argument parsing and bad input of the magics: a clear UsageError, nothing started, nothing lost."""
+from __future__ import annotations
+
+import pytest
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
+
+from nbdist import magics
+from nbdist.cluster import culprits, decode_wait_status, parse_exit_codes
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def shell():
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("load_ext", "nbdist")
+    yield ip
+    ip.run_line_magic("unload_ext", "nbdist")
+
+
+@pytest.fixture
+def dist(shell):
+    return magics._loaded[id(shell)]
+
+
+@pytest.mark.parametrize("value, message", [
+    ("0", "at least 1"), ("-1", "at least 1"), ("abc", "whole number"), ("2.5", "whole number"),
+    ("100000", "more ranks than"),
+])
+def test_parse_n_rejects(value, message):
+    with pytest.raises(UsageError, match=message):
+        magics.parse_n(value)
+
+
+def test_parse_n_accepts_small_counts():
+    assert magics.parse_n("4") == 4
+    assert magics.parse_n(" 1 ") == 1
+
+
+def test_parse_targets():
+    assert magics.parse_targets(None, 4) is None
+    assert magics.parse_targets("0", 4) == [0]
+    assert magics.parse_targets("0,2-3", 4) == [0, 2, 3]
+    with pytest.raises(UsageError, match="outside 0..3"):
+        magics.parse_targets("1,4", 4)
+    with pytest.raises(UsageError, match="ranks like"):
+        magics.parse_targets("a-b", 4)
+    with pytest.raises(UsageError, match="ranks like"):
+        magics.parse_targets("3-1", 4)
+
+
+def test_parse_timeout_and_env():
+    assert magics.parse_timeout(None) is None
+    assert magics.parse_timeout("2.5") == 2.5
+    for bad in ("0", "-3", "soon"):
+        with pytest.raises(UsageError, match="--timeout"):
+            magics.parse_timeout(bad)
+    assert magics.parse_env(["A=1", "B_C=x=y"]) == {"A": "1", "B_C": "x=y"}
+    with pytest.raises(UsageError, match="K=V"):
+        magics.parse_env(["novalue"])
+    assert magics.parse_hosts(["a,b", "c"]) == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("line", ["-n 0", "-n -1", "-n abc", "-n 100000", "--bogus", "-n 2 --output maybe",
+                                  "-n 2 --timeout 0", "-n 2 --targets 5"])
+def test_bad_cell_arguments_start_nothing(shell, dist, line):
+    with pytest.raises(UsageError):
+        shell.run_cell_magic("distributed", line, "x = 1")
+    assert dist.cluster.cluster is None, "a bad argument must not start a cluster"
+    assert not dist._busy.locked()
+
+
+@pytest.mark.parametrize("body", ["", "   \n\t\n"])
+def test_empty_cell_is_an_error(shell, dist, body):
+    with pytest.raises(UsageError, match="empty"):
+        shell.run_cell_magic("distributed", "-n 2", body)
+    assert dist.cluster.cluster is None
+
+
+def test_cell_while_another_runs_is_refused(shell, dist):
+    dist._busy.acquire()  # what a running %%distributed cell holds
+    try:
+        with pytest.raises(UsageError, match="another %%distributed cell is still running"):
+            shell.run_cell_magic("distributed", "-n 2", "x = 1")
+        with pytest.raises(UsageError, match="still running"):
+            shell.run_line_magic("dist_start", "-n 2")
+    finally:
+        dist._busy.release()
+    assert dist.cluster.cluster is None
+
+
+def test_line_magics_bad_input(shell, dist, tmp_path):
+    with pytest.raises(UsageError, match="needs -n"):
+        shell.run_line_magic("dist_start", "")
+    with pytest.raises(UsageError):
+        shell.run_line_magic("dist_start", "-n 2 --launcher pigeon")
+    with pytest.raises(UsageError, match="no cluster is running"):
+        shell.run_line_magic("dist_pull", "x")
+    with pytest.raises(UsageError, match="no cluster is running"):
+        shell.run_line_magic("dist_push", "x")
+    with pytest.raises(UsageError, match="no such file"):
+        shell.run_line_magic("dist_run", str(tmp_path / "missing.py"))
+    with pytest.raises(UsageError, match="takes no arguments"):
+        shell.run_line_magic("dist_stop", "now")
+    assert dist.cluster.cluster is None
+
+
+def test_stop_and_status_without_cluster(shell, dist, capsys):
+    shell.run_line_magic("dist_stop", "")
+    shell.run_line_magic("dist_status", "")
+    out = capsys.readouterr().out
+    assert "no cluster is running" in out
+
+
+def test_help_documents_the_options():
+    doc = magics.DistributedMagics.distributed.__doc__
+    for option in ("-n", "--timeout", "--targets", "--output", "--no-widgets", "--gpus"):
+        assert option in doc
+    assert "--launcher" in magics.DistributedMagics.dist_start.__doc__
+
+
+def test_exit_code_parsing():
+    out = "[mpiexec@vm] Exit codes: [vm] 0,768,9\n"
+    codes = parse_exit_codes(out)
+    assert codes == {0: 0, 1: 768, 2: 9}
+    assert culprits(codes) == {1: 768}  # MPI's SIGKILL of the peers is not a cause
+    assert culprits({0: 0, 1: 0, 2: 9}) == {2: 9}
+    assert decode_wait_status(768) == "exit status 3"
+    assert decode_wait_status(11).startswith("killed by signal 11 (SIGSEGV)")
+    assert parse_exit_codes("[mpiexec@a] Exit codes: [a] 0,0\n[mpiexec@a] Exit codes: [b] 256\n",
+                            {"a": [0, 2], "b": [1]}) == {0: 0, 2: 0, 1: 256}
