@@ -1,0 +1,100 @@
+"""Per-rank wrapper of `nbdist run`: run the script as __main__, report a failure, release peers.
+
+A rank whose script raises writes its error (rank, type, message, traceback, time)
+to $NBDIST_REPORT_DIR for the launcher, which prints the cause first; it then calls
+the runtime's abort so peers waiting in a collective fail at once, and exits without
+MPI_Finalize (which could wait for ever on peers stuck in plain MPI calls): mpiexec
+then stops whatever is still running.
+"""
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import time
+import traceback
+
+FOLLOW_ON = {"AbortedError"}
+
+
+def _rank() -> int:
+    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 0
+
+
+def _report(rank: int, exc: BaseException, tb_lines: list[str]) -> None:
+    folder = os.environ.get("NBDIST_REPORT_DIR")
+    if not folder:
+        sys.stderr.write("".join(tb_lines))
+        return
+    record = {"rank": rank, "ename": type(exc).__name__, "evalue": str(exc),
+              "traceback": tb_lines, "time": time.time(), "follow_on": type(exc).__name__ in FOLLOW_ON}
+    tmp = os.path.join(folder, f".rank-{rank}.json")
+    with open(tmp, "w") as f:
+        json.dump(record, f)
+    os.replace(tmp, os.path.join(folder, f"rank-{rank}.json"))  # the launcher never reads half a file
+
+
+def _abort_peers(rank: int, exc: BaseException) -> bool:
+    common = sys.modules.get("nbdist.common")
+    if common is None or type(exc).__name__ in FOLLOW_ON or isinstance(exc, KeyboardInterrupt):
+        return False
+    try:
+        if not common.is_initialized():
+            return False
+        msg = str(exc).splitlines()[0] if str(exc) else ""
+        common.abort(f"rank {rank} raised {type(exc).__name__}: {msg}"[:500])
+        return True
+    except Exception:
+        return False
+
+
+def _user_frames(exc: BaseException) -> list[str]:
+    """The traceback without this wrapper's and runpy's frames."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__):
+        tb = tb.tb_next
+    return traceback.format_exception(type(exc), exc, tb)
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print("usage: python -m nbdist._rankmain SCRIPT [ARGS...]", file=sys.stderr)
+        return 2
+    script = argv[0]
+    sys.argv = list(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    rank = _rank()
+    # One write per line: mpiexec tags each write with the rank, so a print must not be split.
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(line_buffering=True, write_through=False)
+        except (AttributeError, ValueError):
+            pass
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        if exc.code in (None, 0):
+            return 0
+        code = exc.code if isinstance(exc.code, int) else 1
+        _report(rank, exc, [f"SystemExit: {exc.code}\n"])
+        _finish(rank, exc, code)
+    except BaseException as exc:
+        _report(rank, exc, _user_frames(exc))
+        _finish(rank, exc, 130 if isinstance(exc, KeyboardInterrupt) else 1)
+    return 0
+
+
+def _finish(rank: int, exc: BaseException, code: int) -> None:
+    if _abort_peers(rank, exc):
+        time.sleep(0.5)  # let the released peers write their own (follow-on) reports
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,102 @@
+"""`nbdist run`: the batch twin of a cell, with the same error reporting, on 2 and 4 ranks."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+NBDIST = str(Path(sys.executable).parent / "nbdist")
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def nbdist_run(tmp_path, body: str, n: int, *extra: str, timeout: float = 180):
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(body))
+    proc = subprocess.Popen([NBDIST, "run", "-n", str(n), *extra, str(script), "alpha", "--beta"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env={**os.environ, "NBDIST_TIMEOUT_S": "60"})
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"nbdist run did not finish in {timeout} s\n{out}\n{err}")
+    return proc.returncode, out, err
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_demo_prints_a_checked_distributed_result(n):
+    proc = subprocess.run([NBDIST, "run", "-n", str(n), "examples/demo.py"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"nbdist demo on {n} ranks" in proc.stdout
+    assert f"= 999999 * {n * (n + 1) // 2}" in proc.stdout
+    assert "checked on every rank: OK" in proc.stdout
+
+
+def test_script_args_env_and_tagged_output(tmp_path):
+    rc, out, err = nbdist_run(tmp_path, """
+        import os, sys
+        rank = int(os.environ["PMI_RANK"])
+        print("args", sys.argv[1:], "flavour", os.environ["FLAVOUR"], "rank", rank)
+    """, 2, "--env", "FLAVOUR=mint")
+    assert rc == 0, out + err
+    assert "[0] args ['alpha', '--beta'] flavour mint rank 0" in out
+    assert "[1] args ['alpha', '--beta'] flavour mint rank 1" in out
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_raise_while_peers_wait_in_allreduce(tmp_path, n):
+    rc, out, err = nbdist_run(tmp_path, """
+        import time
+        import numpy as np
+        import nbdist.common as hvd
+        hvd.init()
+        def load_batch():
+            raise ValueError("corrupt batch on rank 1")
+        if hvd.rank() == 1:
+            time.sleep(0.5)
+            load_batch()
+        hvd.allreduce(np.ones(4), name="grads")
+    """, n)
+    assert rc != 0
+    assert "nbdist: rank 1 raised ValueError: corrupt batch on rank 1" in err
+    assert err.index("traceback of rank 1") < err.index("load_batch")
+    assert "AbortedError" in err, "peers are released by the abort and reported as follow-ons"
+    assert "BAD TERMINATION" not in out + err, "hydra's banner is replaced by our summary"
+
+
+def test_rank_death_is_named_with_exit_status(tmp_path):
+    rc, out, err = nbdist_run(tmp_path, """
+        import os, time
+        from mpi4py import MPI
+        if MPI.COMM_WORLD.Get_rank() == 1:
+            os._exit(7)
+        time.sleep(60)
+    """, 2)
+    assert rc == 7, out + err
+    assert "rank 1 died (exit status 7)" in err
+
+
+def test_timeout_stops_every_rank(tmp_path):
+    rc, out, err = nbdist_run(tmp_path, """
+        import time
+        print("started", flush=True)
+        time.sleep(120)
+    """, 2, "--timeout", "3", timeout=60)
+    assert rc == 124, out + err
+    assert "longer than --timeout 3 s" in err
+
+
+def test_missing_script_is_a_clear_error(tmp_path):
+    proc = subprocess.run([NBDIST, "run", "-n", "2", str(tmp_path / "nope.py")], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "no such script" in proc.stderr
