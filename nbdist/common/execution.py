@@ -107,8 +107,32 @@ class Executor:
             raise
 
     # -- the kinds -----------------------------------------------------------------------
+    def _device_op(self, unit: list[Response], reqs: list[Request | None]) -> None:
+        """GPU buffers: in place through NCCL, one op at a time; scaling with the array's own ops."""
+        for resp, req in zip(unit, reqs):
+            if req is None:
+                raise RuntimeError(f"{resp.kind} '{resp.names[0]}' on a GPU cannot run "
+                                   f"with joined ranks")
+            buf = req.array
+            transport = self.choose(resp.device, resp.kind)
+            if resp.kind == BROADCAST:
+                transport.broadcast(buf, resp.root)
+            else:
+                if resp.prescale != 1.0:
+                    buf *= resp.prescale
+                transport.allreduce(buf, self._transport_op(resp.op))
+                post = resp.postscale
+                if resp.op == ReduceOp.Average:
+                    post /= self.size
+                if post != 1.0:
+                    buf *= post
+            req.handle.set_result(buf)
+
     def _allreduce(self, unit: list[Response], reqs: list[Request | None]) -> None:
         first = unit[0]
+        if first.device != "cpu":
+            self._device_op(unit, reqs)
+            return
         dtype = numpy_dtype(first.dtype)
         transport = self.choose(first.device, ALLREDUCE)
         op = self._transport_op(first.op)
@@ -161,6 +185,9 @@ class Executor:
             req.handle.set_result(recv)
 
     def _broadcast(self, resp: Response, req: Request | None) -> None:
+        if resp.device != "cpu":
+            self._device_op([resp], [req])
+            return
         dtype = numpy_dtype(resp.dtype)
         if req is None:
             buf = np.empty(resp.shapes[0], dtype)

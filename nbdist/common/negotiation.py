@@ -194,7 +194,8 @@ class Coordinator:
         open_units: dict[tuple, tuple[list, int]] = {}
         for element in elements:
             resp = self._response_of(element)
-            if resp.kind != ALLREDUCE or resp.error is not None or resp.joined:
+            if (resp.kind != ALLREDUCE or resp.error is not None or resp.joined
+                    or resp.device != "cpu"):  # GPU buffers are not fused (yet)
                 units.append([element])
                 continue
             key = (resp.dtype, resp.op, resp.prescale, resp.postscale, resp.device)

@@ -34,8 +34,8 @@ def as_array(obj: Any, what: str, inplace: bool = False) -> np.ndarray:
         raise TypeError(f"{what} expects a numpy array (or another buffer-protocol array), "
                         f"got a Python {type(obj).__name__}; wrap it with numpy.asarray(...)")
     if _device_of(obj) != "cpu":
-        raise TypeError(f"{what}: GPU buffers need the NCCL transport, which this build "
-                        "does not provide here (nccl_built() is False); move the data to the CPU")
+        raise TypeError(f"{what}: GPU buffers are supported by allreduce_ and broadcast_ "
+                        "(in place, through NCCL); move the data to the CPU for this op")
     if isinstance(obj, np.ndarray):
         array = obj
     else:
@@ -61,6 +61,46 @@ def as_array(obj: Any, what: str, inplace: bool = False) -> np.ndarray:
             raise ValueError(f"{what} (in place) needs a writeable array")
         return array
     return np.ascontiguousarray(array)
+
+
+class GPUBuffer:
+    """The dtype/shape view of a GPU array, for signatures; the array itself is moved by NCCL."""
+
+    def __init__(self, obj, what: str):
+        transports = basics.engine().transports
+        if transports.nccl is None:
+            reason = getattr(transports, "nccl_reason", "") or "NCCL is not available"
+            raise TypeError(f"{what} on a GPU buffer needs the NCCL transport, which is not "
+                            f"available here ({reason}); move the data to the CPU")
+        self.obj = obj
+        torch_dtype = getattr(obj, "dtype", None)
+        if type(obj).__module__.startswith("torch"):
+            self.dtype_name = str(torch_dtype).replace("torch.", "")
+            self.shape = tuple(obj.shape)
+            contiguous = obj.is_contiguous()
+        else:
+            cai = obj.__cuda_array_interface__
+            self.dtype_name = np.dtype(cai["typestr"]).name
+            self.shape = tuple(cai["shape"])
+            contiguous = True  # the NCCL transport checks strides itself
+        if not contiguous:
+            raise ValueError(f"{what} (in place) needs a contiguous GPU tensor")
+        self.device = _device_of(obj)
+
+
+def _gpu_signature(kind, gpu: GPUBuffer, **sig) -> tuple:
+    return (kind, gpu.dtype_name, gpu.shape, int(sig.get("op", 0)), float(sig.get("prescale", 1.0)),
+            float(sig.get("postscale", 1.0)), int(sig.get("root", -1)), gpu.device, None)
+
+
+def _submit_gpu(kind: str, obj, name: str | None, what: str, **sig) -> Handle:
+    gpu = GPUBuffer(obj, what)
+    op_name, named = _name(name, kind)
+    req = Request(name=op_name, kind=kind, array=obj, inplace=True,
+                  signature=_gpu_signature(kind, gpu, **sig), handle=Handle(op_name),
+                  device=gpu.device, named=named)
+    basics.engine().submit(req)
+    return req.handle
 
 
 def _check_op(op, what: str, dtype: np.dtype) -> ReduceOp:
@@ -143,7 +183,11 @@ def allreduce_async(array, op=ReduceOp.Average, name: str | None = None,
 
 def allreduce_async_(array, op=ReduceOp.Average, name: str | None = None,
                      prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
-    """Start an allreduce that writes its result into `array`."""
+    """Start an allreduce that writes its result into `array` (a GPU array goes through NCCL)."""
+    if _device_of(array) != "cpu":
+        return _submit_gpu(ALLREDUCE, array, name, "allreduce_",
+                           op=_check_op(op, "allreduce_", None), prescale=prescale_factor,
+                           postscale=postscale_factor)
     a = as_array(array, "allreduce_", inplace=True)
     op = _check_op(op, "allreduce_", a.dtype)
     return _submit(ALLREDUCE, a, name, inplace=True, op=op, prescale=prescale_factor,
@@ -220,7 +264,10 @@ def broadcast_async(array, root_rank: int, name: str | None = None) -> Handle:
 
 
 def broadcast_async_(array, root_rank: int, name: str | None = None) -> Handle:
-    """Start a broadcast from root_rank into `array`."""
+    """Start a broadcast from root_rank into `array` (a GPU array goes through NCCL)."""
+    if _device_of(array) != "cpu":
+        return _submit_gpu(BROADCAST, array, name, "broadcast_",
+                           root=_check_root(root_rank, "broadcast_"))
     a = as_array(array, "broadcast_", inplace=True)
     return _submit(BROADCAST, a, name, inplace=True, root=_check_root(root_rank, "broadcast_"))
 
