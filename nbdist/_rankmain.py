@@ -55,7 +55,8 @@ def _abort_peers(rank: int, exc: BaseException) -> bool:
 def _user_frames(exc: BaseException) -> list[str]:
     """The traceback without this wrapper's and runpy's frames."""
     tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__):
+    while tb is not None and (tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__)
+                              or tb.tb_frame.f_code.co_filename.startswith("<frozen runpy")):
         tb = tb.tb_next
     return traceback.format_exception(type(exc), exc, tb)
 

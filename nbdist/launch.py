@@ -45,12 +45,17 @@ def _env_dict(env) -> dict[str, str]:
 
 def _pump(stream, sink, captured: list[str]) -> None:
     """Forward rank output line by line; keep hydra's report for parsing instead of printing it."""
+    blank = []  # blank lines are held back: hydra's banner starts with some
     for line in iter(stream.readline, ""):
         captured.append(line)
-        if line.startswith(_HYDRA_NOISE) or not line.strip() and captured[-2:-1] and \
-                captured[-2].startswith(_HYDRA_NOISE):
+        if not line.strip():
+            blank.append(line)
             continue
-        sink.write(line)
+        if line.startswith(_HYDRA_NOISE):
+            blank.clear()
+            continue
+        sink.write("".join(blank) + line)
+        blank.clear()
         sink.flush()
 
 
@@ -146,7 +151,7 @@ def _summarise(rc: int, output: str, report_dir: str, n: int, timeout, timed_out
     elif primary is not None:
         first = primary.evalue.splitlines()[0] if primary.evalue else ""
         headline = f"rank {primary.rank} raised {primary.ename}" + (f": {first}" if first else "")
-        code = rc or 1
+        code = 1
     elif dead:
         headline = "; ".join(f"rank {r} died ({decode_wait_status(s)})" for r, s in sorted(dead.items()))
         first_status = dead[min(dead)]
