@@ -78,6 +78,7 @@ class Engine:
         self._stopping = False
         self._broken: str | None = None
         self._abort_sent = False  # keep polling until rank 0's abort comes back
+        self._last_alive_check = 0.0
         self.auto_name_counter = 0
         self.last_response_at = 0.0
         self.coordinator = (Coordinator(self.size, config.fusion_threshold, config.cache_capacity,
@@ -188,7 +189,27 @@ class Engine:
                 self._send_control(item)
         if self.coordinator is not None:
             worked = self._coordinate() or worked
+        else:
+            self._check_coordinator_alive()
         return worked
+
+    def _check_coordinator_alive(self) -> None:
+        """Fail ops rank 0 never answered: it times ops out itself, so silence means it is gone."""
+        if not self.config.timeout_s or not self._local:
+            return
+        now = time.monotonic()
+        if now - self._last_alive_check < 1.0:
+            return
+        self._last_alive_check = now
+        limit = self.config.timeout_s + 30.0
+        for name, req in list(self._local.items()):
+            if now - req.sent_at > limit:
+                del self._local[name]
+                with self._cv:
+                    self._names_in_flight.discard(name)
+                req.handle.set_error(errors.CollectiveTimeoutError(
+                    f"{req.kind} '{name}': rank {COORDINATOR} (the coordinator) gave no answer "
+                    f"for {now - req.sent_at:.0f} s; it may have stopped, shut down or died"))
 
     def _send_control(self, item: tuple) -> None:
         message = (item[0], self.epoch, self.rank) + item[1:]
@@ -201,7 +222,9 @@ class Engine:
 
     def _send_requests(self, new: list[Request]) -> None:
         items = []
+        now = time.monotonic()
         for req in new:
+            req.sent_at = now
             self._local[req.name] = req
             cached = self._cache.get(req.name)
             if cached is not None and cached[1] == req.signature:

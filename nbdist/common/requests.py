@@ -87,6 +87,7 @@ class Request:
     device: str = "cpu"
     splits: tuple | None = None  # alltoall: rows sent to each rank
     named: bool = True  # user-named (cacheable) or auto-named
+    sent_at: float = 0.0  # when this rank sent it to rank 0 (monotonic clock)
 
 
 def signature(kind: str, array: np.ndarray | None, op: int = 0, prescale: float = 1.0,
