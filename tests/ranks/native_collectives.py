@@ -1,0 +1,249 @@
+"""The shm transport on every rank of this mpiexec run (all on one node), against numpy.
+
+Run by tests/test_native.py under mpiexec -n 2 and -n 4. Every rank runs the same
+tests in the same order, so the collectives line up.
+"""
+import functools
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from nbdist.common.ops_base import BFLOAT16, ReduceOp
+from nbdist.common.transport import TransportError
+from nbdist.common.transports.shm import ShmTransport
+
+COMM = MPI.COMM_WORLD
+RANK, SIZE = COMM.rank, COMM.size
+
+DTYPES = [np.float16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64,
+          np.uint8, np.uint16, np.uint32, np.uint64]
+if BFLOAT16 is not None:
+    DTYPES.insert(1, BFLOAT16)
+OPS = [ReduceOp.Sum, ReduceOp.Min, ReduceOp.Max, ReduceOp.Product]
+# 0, 1, odd, larger than a 64 KiB slot (chunked, pipelined) for every dtype.
+SIZES = [0, 1, 1001, 70_001]
+
+
+@pytest.fixture(scope="module")
+def shm():
+    """Small slots, so modest arrays already take many pipelined chunks."""
+    t = ShmTransport(COMM, RANK, timeout_s=60, slot_bytes=64 * 1024, nsets=3)
+    yield t
+    t.close()
+
+
+@pytest.fixture(scope="module")
+def shm_default():
+    t = ShmTransport(COMM, RANK, timeout_s=60)
+    yield t
+    t.close()
+
+
+def contribution(rank, n, dtype, op):
+    """Rank `rank`'s input: small values, so sums and products neither overflow floats nor lose bits."""
+    rng = np.random.default_rng(1000 * rank + n)
+    if op == ReduceOp.Product:
+        if np.dtype(dtype).kind == "f":
+            return rng.choice([0.5, 1.0, 1.5, 2.0], n).astype(dtype)
+        return rng.integers(1, 4, n).astype(dtype)
+    if np.dtype(dtype).kind == "f" or np.dtype(dtype) == BFLOAT16:
+        return (rng.integers(-64, 64, n) / 8).astype(dtype)
+    info = np.iinfo(dtype)
+    return rng.integers(info.min, info.max, n, endpoint=True, dtype=dtype)
+
+
+def reference(n, dtype, op):
+    """The reduction numpy computes, in rank order; 16-bit floats accumulate in float32."""
+    parts = [contribution(r, n, dtype, op) for r in range(SIZE)]
+    wide = np.dtype(dtype).itemsize == 2 and np.dtype(dtype).kind not in "iu"
+    if wide:
+        parts = [p.astype(np.float32) for p in parts]
+    ufunc = {ReduceOp.Sum: np.add, ReduceOp.Min: np.minimum, ReduceOp.Max: np.maximum,
+             ReduceOp.Product: np.multiply}[op]
+    with np.errstate(over="ignore"):
+        out = functools.reduce(ufunc, parts)
+    return out.astype(dtype)
+
+
+def same(got, want):
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
+def test_segment_is_unlinked_once_attached(shm, shm_default):
+    for t in (shm, shm_default):
+        assert not os.path.exists("/dev/shm" + t._native.name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("op", OPS, ids=lambda o: o.name)
+@pytest.mark.parametrize("n", SIZES)
+def test_allreduce(shm, dtype, op, n):
+    buf = contribution(RANK, n, dtype, op)
+    shm.allreduce(buf, op)
+    same(buf, reference(n, dtype, op))
+
+
+@pytest.mark.parametrize("n", [5, 1 << 20, (3 << 20) + 7])
+def test_allreduce_default_slots_float32(shm_default, n):
+    buf = contribution(RANK, n, np.float32, ReduceOp.Sum)
+    shm_default.allreduce(buf, ReduceOp.Sum)
+    same(buf, reference(n, np.float32, ReduceOp.Sum))
+
+
+def test_allreduce_2d_and_bool_rejected(shm):
+    buf = np.full((3, 5), RANK + 1, np.int32)
+    shm.allreduce(buf, ReduceOp.Sum)
+    assert (buf == SIZE * (SIZE + 1) // 2).all()
+    with pytest.raises(TypeError, match="bool"):
+        shm.allreduce(np.ones(3, bool), ReduceOp.Sum)
+    with pytest.raises(ValueError, match="Average"):
+        shm.allreduce(np.ones(3), ReduceOp.Average)
+
+
+@pytest.mark.parametrize("root", range(SIZE))
+@pytest.mark.parametrize("n", [1, 999, 70_001])
+def test_reduce_to_root(shm, root, n):
+    mine = contribution(RANK, n, np.float32, ReduceOp.Sum)
+    buf = mine.copy()
+    shm.reduce(buf, ReduceOp.Sum, root)
+    same(buf, reference(n, np.float32, ReduceOp.Sum) if RANK == root else mine)
+
+
+@pytest.mark.parametrize("root", range(SIZE))
+@pytest.mark.parametrize("nbytes", [0, 1, 4097, 64 * 1024 * SIZE * 3 + 5])
+def test_broadcast(shm, root, nbytes):
+    want = np.random.default_rng(nbytes + root).integers(0, 256, nbytes, dtype=np.uint8)
+    buf = want.copy() if RANK == root else np.zeros(nbytes, np.uint8)
+    shm.broadcast(buf, root)
+    same(buf, want)
+
+
+@pytest.mark.parametrize("scale", [0, 1, 17, 40_000])
+def test_allgatherv_uneven(shm, scale):
+    counts = [(r % 3) * scale + (1 if scale else 0) * (r == 0) for r in range(SIZE)]
+    parts = [np.arange(c, dtype=np.float64) + 1000 * r for r, c in enumerate(counts)]
+    recv = np.empty(sum(counts), np.float64)
+    shm.allgatherv(parts[RANK], recv, counts)
+    same(recv, np.concatenate(parts))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.int64, np.uint8],
+                         ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("op", OPS, ids=lambda o: o.name)
+@pytest.mark.parametrize("total", [0, 7, 50_003])
+def test_reducescatter_uneven(shm, dtype, op, total):
+    counts = [total // SIZE + (1 if r < total % SIZE else 0) for r in range(SIZE)]
+    send = contribution(RANK, total, dtype, op)
+    recv = np.empty(counts[RANK], dtype)
+    shm.reducescatter(send, recv, counts, op)
+    start = sum(counts[:RANK])
+    same(recv, reference(total, dtype, op)[start:start + counts[RANK]])
+
+
+@pytest.mark.parametrize("scale", [0, 3, 30_000])
+def test_alltoallv(shm, scale):
+    def splits(src):  # what rank src sends to each rank
+        return [((src + 2 * dst) % 3) * scale for dst in range(SIZE)]
+
+    send_counts = splits(RANK)
+    recv_counts = [splits(src)[RANK] for src in range(SIZE)]
+    send = np.concatenate([np.full(c, 100 * RANK + dst, np.int32)
+                           for dst, c in enumerate(send_counts)] or [np.empty(0, np.int32)])
+    recv = np.empty(sum(recv_counts), np.int32)
+    shm.alltoallv(send, send_counts, recv, recv_counts)
+    want = np.concatenate([np.full(c, 100 * src + RANK, np.int32)
+                           for src, c in enumerate(recv_counts)] or [np.empty(0, np.int32)])
+    same(recv, want)
+
+
+def test_abort_releases_peers_within_a_second(shm):
+    """The last rank aborts instead of joining; the others leave their wait promptly."""
+    COMM.Barrier()
+    if RANK == SIZE - 1:
+        time.sleep(0.3)
+        aborted_at = time.monotonic()  # CLOCK_MONOTONIC: one clock for the whole machine
+        shm.abort(f"rank {RANK} raised ZeroDivisionError (test)")
+        released_at = None
+    else:
+        aborted_at = None
+        with pytest.raises(TransportError, match=r"aborted by rank \d+.*ZeroDivisionError"):
+            shm.allreduce(np.ones(1 << 18, np.float32), ReduceOp.Sum)
+        released_at = time.monotonic()
+    times = COMM.allgather((aborted_at, released_at))
+    shm.reset()
+    t_abort = times[SIZE - 1][0]
+    for r, (_, released) in enumerate(times[:-1]):
+        assert released - t_abort < 1.0, f"rank {r} was released {released - t_abort:.2f} s after the abort"
+    test_allreduce(shm, np.float32, ReduceOp.Sum, 1001)  # usable again
+
+
+def test_abort_from_another_thread_while_waiting(shm):
+    """An interrupted rank: its main thread aborts while its own op waits in another thread."""
+    COMM.Barrier()
+    errors = []
+    if RANK == 0:
+        def op():
+            try:
+                shm.allreduce(np.ones(10, np.float64), ReduceOp.Sum)
+            except TransportError as exc:
+                errors.append(str(exc))
+        worker = threading.Thread(target=op)
+        worker.start()
+        time.sleep(0.3)
+        shm.abort("KeyboardInterrupt on rank 0 (test)")
+        worker.join(2)
+        assert not worker.is_alive() and errors and "KeyboardInterrupt" in errors[0]
+    COMM.Barrier()  # the others never entered: they see the flag at their next op
+    if RANK != 0:
+        with pytest.raises(TransportError, match="KeyboardInterrupt"):
+            shm.allreduce(np.ones(10, np.float64), ReduceOp.Sum)
+    shm.reset()
+    test_allreduce(shm, np.float64, ReduceOp.Max, 70_001)
+
+
+def test_timeout_names_missing_rank():
+    t = ShmTransport(COMM, RANK, timeout_s=0.5)
+    try:
+        COMM.Barrier()
+        if RANK != 0:
+            start = time.monotonic()
+            with pytest.raises(TransportError, match=r"(timed out|aborted).*"):
+                t.allreduce(np.ones(4, np.float32), ReduceOp.Sum)
+            assert time.monotonic() - start < 2.0
+        COMM.Barrier()
+        assert "waiting for rank(s) 0" in t.abort_reason()
+        t.reset()
+        buf = np.ones(4, np.float32)
+        t.allreduce(buf, ReduceOp.Sum)
+        assert (buf == SIZE).all()
+    finally:
+        t.close()
+
+
+def test_should_stop_hook_is_polled():
+    """The engine's should_stop (e.g. shutting down) ends a wait that no peer will end."""
+    stop_at = time.monotonic() + 0.3
+    t = ShmTransport(COMM, RANK, timeout_s=30,
+                     should_stop=lambda: "nbdist is shutting down" if time.monotonic() > stop_at else None)
+    try:
+        COMM.Barrier()
+        if RANK == 0:
+            with pytest.raises(TransportError, match="shutting down"):
+                t.allreduce(np.ones(4, np.float32), ReduceOp.Sum)
+            assert time.monotonic() - stop_at < 1.0
+        COMM.Barrier()
+        t.reset()
+    finally:
+        t.close()
+
+
+def test_close_then_use_is_a_clear_error():
+    t = ShmTransport(COMM, RANK)
+    t.close()
+    with pytest.raises(TransportError, match="closed"):
+        t.allreduce(np.ones(2), ReduceOp.Sum)

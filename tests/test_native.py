@@ -1,0 +1,88 @@
+"""The native data path: shm collectives, abort and SIGKILL behaviour, the hierarchical
+path with pretend nodes, and the foundation's collectives with each CPU transport forced.
+
+Multi-rank work runs in tests/ranks/ under mpiexec -n 2 and -n 4.
+"""
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import MPIEXEC, ROOT, rank_env, run_rank_tests
+
+RANKS = [2, 4]
+native = pytest.importorskip("nbdist._native", reason="the native module is not built")
+
+
+def test_module_reports_what_it_was_built_with():
+    assert native.shm_built() is True
+    assert native.kernel_isa() in ("avx2", "baseline")
+    from nbdist.common.transports.nccl import load_nccl
+
+    reason = load_nccl()
+    assert native.nccl_built() == (reason == "" or reason.startswith("NCCL loaded"))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.int8, np.uint64])
+def test_local_reduce_kernel_matches_numpy(dtype):
+    from nbdist.common.transports._dtypes import dtype_code
+
+    rng = np.random.default_rng(0)
+    srcs = [rng.integers(0, 50, 4099).astype(dtype) for _ in range(3)]
+    dst = np.empty_like(srcs[0])
+    addr = [s.__array_interface__["data"][0] for s in srcs]
+    native.reduce_local(dst.__array_interface__["data"][0], addr, dst.size, dtype_code(dtype), 1)
+    wide = np.float32 if dtype == np.float16 else dtype
+    want = (srcs[0].astype(wide) + srcs[1].astype(wide) + srcs[2].astype(wide)).astype(dtype)
+    np.testing.assert_array_equal(dst, want)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("n", RANKS)
+def test_shm_collectives(n):
+    run_rank_tests(n, "native_collectives.py", timeout=540)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("local_size", [1, 2])
+@pytest.mark.parametrize("n", RANKS)
+def test_hierarchical_with_pretend_nodes(n, local_size):
+    run_rank_tests(n, "native_hierarchical.py", timeout=360,
+                   extra_env={"NBDIST_LOCAL_SIZE": str(local_size)})
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("n", RANKS)
+def test_sigkill_releases_peers_and_leaves_no_segment(n):
+    cmd = [MPIEXEC, "-disable-auto-cleanup", "-n", str(n), sys.executable,
+           str(ROOT / "tests" / "ranks" / "native_sigkill.py")]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=rank_env(), capture_output=True, text=True,
+                              timeout=150, start_new_session=True)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"ranks were not released after a SIGKILL: {exc.stdout}")
+    out = proc.stdout + proc.stderr
+    segment = re.search(r"SEGMENT (\S+)", out).group(1)
+    killed_at = float(re.search(r"KILLING ([\d.]+)", out).group(1))
+    released = re.findall(r"RELEASED rank (\d+) at ([\d.]+): (.*)", out)
+    assert sorted(int(r) for r, _, _ in released) == list(range(n - 1)), out
+    for rank, at, message in released:
+        assert float(at) - killed_at < 1.0, f"rank {rank} released {float(at) - killed_at:.2f} s late"
+        assert f"rank {n - 1}" in message and ("died" in message), message
+    assert not os.path.exists("/dev/shm" + segment)
+    leftovers = [f for f in os.listdir("/dev/shm") if f == segment.lstrip("/")]
+    assert leftovers == []
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("transport", ["mpi", "shm", "hierarchical"])
+@pytest.mark.parametrize("n", RANKS)
+def test_common_collectives_with_each_cpu_transport(n, transport):
+    """The foundation's own collective tests, with the CPU transport forced."""
+    if not (ROOT / "tests" / "ranks" / "common_collectives.py").exists():
+        pytest.skip("the engine's tests/ranks/common_collectives.py is not there yet")
+    run_rank_tests(n, "common_collectives.py", timeout=1100,
+                   extra_env={"NBDIST_CPU_OPERATIONS": transport})
