@@ -239,7 +239,7 @@ class FailureReport:
             tb = self.primary.traceback or [f"{self.primary.ename}: {self.primary.evalue}"]
             out.extend(tb if color else [strip_ansi(line) for line in tb])
         if self.others:
-            out.append(f"{bold}--- the other ranks ---{reset}")
+            out.append(f"{bold}--- {'the other ranks' if self.primary is not None else 'the ranks'} ---{reset}")
             groups: dict[tuple[str, str], list[int]] = {}
             for err in self.others:
                 first = err.evalue.splitlines()[0] if err.evalue else ""
