@@ -1,0 +1,25 @@
+"""The teaching notebooks run top to bottom in a real kernel (headless, as `make demo` does)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import nbharness as h
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.mark.parametrize("name, expect", [
+    ("quickstart", ["hello from rank 0 of 4", "test accuracy", "stopped the cluster of 4 ranks"]),
+    ("errors", ["rank 1 raised ValueError: corrupt batch on rank 1", "longer than --timeout 3 s",
+                "rank 1 died (exit status 1)", "fresh rank 0 of 2", "-n must be at least 1"]),
+])
+def test_notebook_runs_headless(name, expect):
+    proc = subprocess.run([sys.executable, "-m", "nbdist.run_notebook", f"notebooks/{name}.ipynb"],
+                          cwd=h.ROOT, capture_output=True, text=True, timeout=560)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    for text in expect:
+        assert text in proc.stdout, f"{text!r} not in the output:\n{proc.stdout[-4000:]}"
+    assert "every cell ran" in proc.stdout
