@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.nbdist-installed
 PYTHON  ?= python3
 N       ?= 4
 
-.PHONY: demo test lab bench doctor clean
+.PHONY: demo demo-batch test lab bench doctor clean
 
 $(STAMP): requirements.txt pyproject.toml CMakeLists.txt $(wildcard native/*)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -15,7 +15,10 @@ $(STAMP): requirements.txt pyproject.toml CMakeLists.txt $(wildcard native/*)
 	$(BIN)/pip install --no-build-isolation --no-deps -e .
 	touch $(STAMP)
 
-demo: $(STAMP)  ## real distributed work on $(N) local ranks
+demo: $(STAMP)  ## execute the quickstart notebook headless (4 ranks) and print its outputs
+	$(BIN)/python -m nbdist.run_notebook notebooks/quickstart.ipynb --out build/quickstart.executed.ipynb
+
+demo-batch: $(STAMP)  ## the batch twin: real distributed work on $(N) local ranks
 	$(BIN)/nbdist run -n $(N) examples/demo.py
 
 test: $(STAMP)  ## the whole test suite (multi-rank tests under mpiexec -n 2 and -n 4)
