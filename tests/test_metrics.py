@@ -441,3 +441,46 @@ def test_datapub_from_real_engines_reaches_the_view(mpi_cluster, monkeypatch):
         assert [r["state"] for r in run.ranks] == ["done", "done"]
         assert run.history[0][1] <= 2 and run.history[-1][1] == 40
         assert out.getvalue().splitlines()[-1].startswith("[nbdist] done: 40/50")
+
+
+@pytest.mark.timeout(240)
+def test_keras_progress_callback_in_a_real_fit():
+    pytest.importorskip("keras")
+    code = """
+    import os, sys
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import numpy as np, keras
+    import nbdist.metrics as m
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = np.ones((32, 3), "float32"), np.zeros((32, 1), "float32")
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, validation_data=(x, y),
+              callbacks=[m.keras_progress_callback()])
+    print(type(model).__name__, file=sys.stdout)
+    """
+    result = run_python(code, {"NBDIST_TEXT_INTERVAL": "0"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("[nbdist]")]
+    assert lines[-1].startswith("[nbdist] epoch 2/2: 8/8 (100%)"), lines
+    assert "val_loss=" in lines[-1] and "epoch=2" in lines[-1]
+
+
+def test_top_level_report_progress_last_metrics_are_lazy():
+    code = """
+    import sys, nbdist
+    assert "nbdist.metrics" not in sys.modules and "ipywidgets" not in sys.modules
+    if not hasattr(nbdist, "report"):
+        print("NOT-EXPORTED")
+        raise SystemExit(0)
+    import nbdist.metrics, nbdist.progress_view
+    assert nbdist.report is nbdist.metrics.report
+    assert nbdist.progress is nbdist.metrics.progress
+    assert nbdist.last_metrics is nbdist.progress_view.last_metrics
+    assert "ipywidgets" not in sys.modules
+    print("OK")
+    """
+    result = run_python(code, {})
+    assert result.returncode == 0, result.stderr
+    if "NOT-EXPORTED" in result.stdout:
+        pytest.skip("nbdist/__init__.py does not export report/progress/last_metrics yet")
+    assert result.stdout.strip() == "OK"
