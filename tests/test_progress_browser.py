@@ -42,11 +42,12 @@ playwright_sync = pytest.importorskip("playwright.sync_api", reason="playwright 
 TRAIN = """\
 %%distributed -n 2
 import time
-import nbdist.metrics
-rank = nbdist.metrics.detect_rank()
+import nbdist
+from nbdist.metrics import detect_rank
+rank = detect_rank()
 for step in range(1, 81):
     time.sleep(0.05 if rank == 0 else 0.06)
-    nbdist.metrics.report(step=step, total=80, loss=1.0 / step, acc=step / 80)
+    nbdist.report(step=step, total=80, loss=1.0 / step, acc=step / 80)
 """
 
 

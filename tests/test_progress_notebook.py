@@ -24,11 +24,12 @@ STATE_MIME = "application/vnd.jupyter.widget-state+json"
 TRAIN = """\
 %%distributed -n 2
 import time
-import nbdist.metrics
-rank = nbdist.metrics.detect_rank()
+import nbdist
+from nbdist.metrics import detect_rank
+rank = detect_rank()
 for step in range(1, 41):
     time.sleep(0.03 if rank == 0 else 0.04)   # rank 1 lags: the rank row shows it
-    nbdist.metrics.report(step=step, total=40, loss=1.0 / step, acc=step / 40)
+    nbdist.report(step=step, total=40, loss=1.0 / step, acc=step / 40)
 print("trained")
 """
 
@@ -47,7 +48,7 @@ INTERRUPT = ("""\
 %%distributed -n 2
 import time
 import nbdist.metrics
-for step in nbdist.metrics.progress(range(1000), desc="slow"):
+for step in nbdist.progress(range(1000), desc="slow"):
     time.sleep(0.02)
 """, {"interrupt_after": 8})
 
@@ -69,7 +70,7 @@ for step in range(1, 11):
     nbdist.metrics.report(step=step, total=10, loss=2.0 / step)
 """
 
-TABLE = "import nbdist.progress_view\ntable = nbdist.progress_view.last_metrics()\nprint(list(table['step'])[-1], list(table['loss'])[-1], len(table))"
+TABLE = "import nbdist\ntable = nbdist.last_metrics()\nprint(list(table['step'])[-1], list(table['loss'])[-1], len(table))"
 
 
 @pytest.fixture(scope="module")
