@@ -22,6 +22,7 @@ POLL_S = 0.1
 ERROR_GRACE_S = 1.0
 INTERRUPT_GRACE_S = 5.0
 OUTPUT_WAIT_S = 2.0
+DEATH_WAIT_S = 15.0  # mpiexec needs a moment to collect every rank's exit status
 FINISHING_GRACE_S = 4.0  # a failed rank's abort may take the runtime's own wait
 
 # Errors that follow from another rank's failure or from our own SIGINT.
@@ -270,15 +271,15 @@ def _restart(cluster) -> None:
 
 def _death_report(cluster, ranks: list[int], errors) -> FailureReport:
     """Who died and how (hydra's exit codes), then restart the cluster cleanly."""
-    statuses = cluster.exit_statuses()
+    statuses = cluster.exit_statuses(wait_s=DEATH_WAIT_S)
     from .cluster import culprits, decode_wait_status
 
     dead = culprits({r: s for r, s in statuses.items()})
     if dead:
         who = "; ".join(f"rank {r} died ({decode_wait_status(s)})" for r, s in sorted(dead.items()))
     else:
-        lost = [r for r, e in errors if e is not None and _is_death(e)]
-        who = f"rank{'s' if len(lost) != 1 else ''} {display._ranges(lost) or '?'} died (exit status unknown)"
+        # mpiexec did not report in time: every engine is gone, but which one went first is unknown
+        who = "a rank died and MPI stopped the others (mpiexec reported no exit statuses in time)"
     notes = []
     fatal = _fatal_error_excerpt(cluster.engine_output())
     if fatal:
