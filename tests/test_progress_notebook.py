@@ -183,3 +183,26 @@ def test_last_metrics_is_a_table_of_the_last_run(saved):
 def test_the_saved_snapshot_is_plain_html(saved):
     snapshot = progress_output(saved.cells[1]).data["text/html"]
     assert "<script" not in snapshot and html.unescape(snapshot).count("rank ") >= 2
+
+
+def test_terminal_ipython_gets_a_text_line(tmp_path):
+    """No widget frontend (terminal IPython): rank 0's progress as text lines on stderr."""
+    import os
+    import subprocess
+    import sys
+
+    session = ("%load_ext nbdist\n%%distributed -n 2\nimport time, nbdist\nfor i in range(20):\n"
+               "    time.sleep(0.05)\n    nbdist.report(step=i + 1, total=20, loss=1.0 / (i + 1))\n"
+               "\n\n%dist_stop\n")
+    ipython = os.path.join(os.path.dirname(sys.executable), "ipython")
+    env = dict(os.environ, NBDIST_TEXT_INTERVAL="0.3")
+    env.pop("NBDIST_WIDGETS", None)
+    result = subprocess.run([ipython, "--simple-prompt", "--no-banner", "--colors=NoColor"],
+                            input=session, capture_output=True, text=True, timeout=180,
+                            cwd=tmp_path, env=env)
+    lines = [line for line in result.stderr.splitlines() if line.startswith("[nbdist]")]
+    assert lines, result.stdout + result.stderr
+    assert lines[-1].startswith("[nbdist] done: 20/20 (100%)"), lines
+    assert "loss=0.05" in lines[-1] and "0:20(done) 1:20(done)" in lines[-1]
+    assert 2 <= len(lines) <= 10  # rate-limited, not one line per step
+    assert "stopped the cluster" in result.stdout
