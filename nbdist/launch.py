@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from .cluster import culprits, decode_wait_status, mpiexec_path, parse_exit_codes
+from ._watchdog import remove_orphan_segments
 from .display import FailureReport, RankError
 
 TIMEOUT_EXIT = 124
@@ -96,6 +97,8 @@ def run_script(script: str, args: list[str] | None = None, n: int = 1, timeout: 
         interrupted = True
         _stop(proc)
     pump.join(5)
+    # Ranks that MPI killed never unlinked their segments; remove the ones nobody maps.
+    remove_orphan_segments(started)
     try:
         return _summarise(proc.returncode, "".join(captured), report_dir, n, timeout, timed_out,
                           interrupted, started)
