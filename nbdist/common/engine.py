@@ -261,6 +261,8 @@ class Engine:
         kind, epoch, rank = message[0], message[1], message[2]
         coord = self.coordinator
         if kind == "abort":
+            if epoch < coord.epoch:
+                return  # another abort already failed that rank's ops (its abort() sees it)
             new_epoch = coord.abort()
             self._broadcast(("abort", new_epoch, message[3]))
             return
