@@ -105,8 +105,9 @@ def broadcast_optimizer_state(optimizer, root_rank, process_set=global_process_s
                for i, t in enumerate(tensors)]
     for handle in handles:
         synchronize(handle)
-    if not is_root:
-        optimizer.load_state_dict(_fill_tensors(layout, tensors))
+    # The root loads it too: load_state_dict casts some entries (NAdam's mu_product to the
+    # parameters' dtype, for one), and every rank must hold exactly the same state.
+    optimizer.load_state_dict(_fill_tensors(layout, tensors))
 
 
 def _collect_slots(obj, out: list) -> None:

@@ -39,7 +39,7 @@ class _SparseHandle:
         indices = synchronize(self.indices).t()
         if self.op == Average:
             values = values / _c.size()
-        return torch.sparse_coo_tensor(indices, values, self.shape).coalesce()
+        return torch.sparse_coo_tensor(indices, values, self.shape, check_invariants=True).coalesce()
 
 
 class _DistributedMixin:
