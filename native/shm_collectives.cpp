@@ -118,13 +118,24 @@ void ShmComm::reduce_chunked(char* buf, size_t count, int dtype, int op, int roo
     const size_t lo = std::min(c, rank_ * slice), hi = std::min(c, lo + slice);
     char* const src = buf + off * item;
     int s = acquire_set(true, ctx);
-    std::memcpy(seg_.slot(s, rank_), src, c * item);
+    char* const slot = seg_.slot(s, rank_);
+    // Only the slices other ranks reduce go through shared memory; my own slice
+    // is read straight from my buffer, which saves a copy of 1/n of the data.
+    if (lo > 0) std::memcpy(slot, src, lo * item);
+    if (c > hi) std::memcpy(slot + hi * item, src + hi * item, (c - hi) * item);
     uint64_t copied = next_phase();
     post(copied);
     wait_all(copied, ctx);
     if (hi > lo) {
-      for (int p = 0; p < n_; ++p) srcs[p] = seg_.slot(s, p) + lo * item;
-      fn(seg_.slot(s, rank_) + lo * item, srcs.data(), n_, hi - lo);
+      for (int p = 0; p < n_; ++p) srcs[p] = (p == rank_ ? src : seg_.slot(s, p)) + lo * item;
+      if (root < 0) {
+        fn(src + lo * item, srcs.data(), n_, hi - lo);  // the result lands in my buffer...
+        std::memcpy(slot + lo * item, src + lo * item, (hi - lo) * item);  // ...and where others read it
+      } else if (root == rank_) {
+        fn(src + lo * item, srcs.data(), n_, hi - lo);
+      } else {
+        fn(slot + lo * item, srcs.data(), n_, hi - lo);  // a non-root's buffer stays as it was
+      }
     }
     uint64_t reduced = next_phase();
     post(reduced);
@@ -132,7 +143,7 @@ void ShmComm::reduce_chunked(char* buf, size_t count, int dtype, int op, int roo
       wait_all(reduced, ctx);
       for (int q = 0; q < n_; ++q) {
         const size_t qlo = std::min(c, q * slice), qhi = std::min(c, qlo + slice);
-        if (qhi > qlo) std::memcpy(src + qlo * item, seg_.slot(s, q) + qlo * item, (qhi - qlo) * item);
+        if (q != rank_ && qhi > qlo) std::memcpy(src + qlo * item, seg_.slot(s, q) + qlo * item, (qhi - qlo) * item);
       }
     }
     uint64_t read = next_phase();

@@ -1,0 +1,272 @@
+"""Collective benchmarks: nbdist beside mpi4py (same MPI) and torch.distributed gloo, one run.
+
+Run on every rank under mpiexec (`nbdist bench -n 4` starts it for you):
+
+    mpiexec -n 4 python benchmarks/collectives.py --sizes 4K,4M,64M --json out.json
+
+For each op and size it times, with the same buffers and iteration counts on all ranks:
+  nbdist      the public API (nbdist.common.allreduce_ / allgather / broadcast_: the engine)
+  nbdist-raw  the transport the engine would pick, called directly (engine overhead = the gap)
+  mpi4py      comm.Allreduce / Allgather / Bcast on the same MPI
+  gloo        torch.distributed with the gloo backend (when torch is installed)
+Time per op is the slowest rank's mean. algbw = bytes / time; busbw follows nccl-tests:
+allreduce × 2(n-1)/n, allgather × (n-1)/n (bytes = the gathered total), broadcast × 1.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+
+import numpy as np
+
+KiB, MiB = 1024, 1024 * 1024
+DEFAULT_SIZES = "4K,64K,1M,4M,16M,64M,256M"
+OPS = ("allreduce", "allgather", "broadcast")
+IMPLS = ("nbdist", "nbdist-raw", "mpi4py", "gloo")
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper().rstrip("B").rstrip("I")
+    scale = {"K": KiB, "M": MiB, "G": 1024 * MiB}.get(text[-1:], 1)
+    return int(float(text[:-1] if scale > 1 else text) * scale)
+
+
+def human(n: int) -> str:
+    for unit, scale in (("GiB", 1024 * MiB), ("MiB", MiB), ("KiB", KiB)):
+        if n >= scale:
+            return f"{n / scale:g} {unit}"
+    return f"{n} B"
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="nbdist bench", description=__doc__.split("\n")[0])
+    p.add_argument("--ops", default=",".join(OPS), help="comma-separated: allreduce,allgather,broadcast")
+    p.add_argument("--sizes", default=DEFAULT_SIZES, help=f"bytes per rank's buffer (default {DEFAULT_SIZES})")
+    p.add_argument("--impls", default=",".join(IMPLS), help="which of nbdist,nbdist-raw,mpi4py,gloo")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--time", type=float, default=0.4, help="seconds to spend per measurement (default 0.4)")
+    p.add_argument("--min-iters", type=int, default=3)
+    p.add_argument("--json", dest="json_file", help="write the rows to this JSON file")
+    p.add_argument("--plot", dest="plot_file", help="draw busbw against size to this image (matplotlib)")
+    return p.parse_args(argv)
+
+
+class Peers:
+    """Sets up each implementation once; call(impl, op, buf, out) runs one op."""
+
+    def __init__(self, comm, impls):
+        self.comm = comm
+        self.impls = list(impls)
+        self.hvd = self.raw = self.dist = self.torch = None
+        if "nbdist" in impls or "nbdist-raw" in impls:
+            import nbdist.common as hvd
+            from nbdist.common.config import Config
+            from nbdist.common.topology import Topology
+            from nbdist.common.transports.select import TransportSet
+
+            hvd.init(comm)
+            self.hvd = hvd
+            config = Config.from_environment()
+            self._topology = Topology.from_mpi(comm, config.local_size)
+            self.raw = TransportSet(config, self._topology, lambda: None)
+        if "gloo" in impls:
+            try:
+                import torch
+                import torch.distributed as dist
+            except ImportError:
+                self.impls.remove("gloo")
+            else:
+                port = None
+                if comm.rank == 0:
+                    with socket.socket() as s:
+                        s.bind(("127.0.0.1", 0))
+                        port = s.getsockname()[1]
+                port = comm.bcast(port, root=0)
+                dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                        rank=comm.rank, world_size=comm.size)
+                self.dist, self.torch = dist, torch
+
+    def transport_name(self, op: str) -> str:
+        return self.raw.for_op("cpu", op).name if self.raw else "-"
+
+    def call(self, impl: str, op: str, buf: np.ndarray, out: np.ndarray, ctx: dict) -> None:
+        from mpi4py import MPI
+
+        n = self.comm.size
+        if impl == "mpi4py":
+            if op == "allreduce":
+                self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+            elif op == "allgather":
+                self.comm.Allgather(buf, out)
+            else:
+                self.comm.Bcast(buf, root=0)
+        elif impl == "nbdist":
+            hvd = self.hvd
+            if op == "allreduce":
+                hvd.allreduce_(buf, op=hvd.Sum, name="bench.allreduce")
+            elif op == "allgather":
+                out[...] = hvd.allgather(buf, name="bench.allgather")
+            else:
+                hvd.broadcast_(buf, 0, name="bench.broadcast")
+        elif impl == "nbdist-raw":
+            from nbdist.common.ops_base import ReduceOp
+
+            t = self.raw.for_op("cpu", op)
+            if op == "allreduce":
+                t.allreduce(buf, ReduceOp.Sum)
+            elif op == "allgather":
+                t.allgatherv(buf, out, [buf.size] * n)
+            else:
+                t.broadcast(buf, 0)
+        elif impl == "gloo":
+            tb, to = ctx["tb"], ctx["to"]
+            if op == "allreduce":
+                self.dist.all_reduce(tb)
+            elif op == "allgather":
+                self.dist.all_gather(ctx["to_list"], tb)
+            else:
+                self.dist.broadcast(tb, 0)
+
+    def close(self):
+        if self.raw is not None:
+            self.raw.close()
+            self._topology.free()
+        if self.dist is not None:
+            self.dist.destroy_process_group()
+
+
+def measure(peers: Peers, impl: str, op: str, nbytes: int, dtype, seconds: float, min_iters: int) -> float:
+    """Mean seconds per op, the slowest rank's, with the same iteration count on every rank."""
+    from mpi4py import MPI
+
+    comm = peers.comm
+    n = comm.size
+    count = max(1, nbytes // np.dtype(dtype).itemsize)
+    buf = np.ones(count, dtype)
+    out = np.empty(count * n, dtype) if op == "allgather" else None
+    ctx = {}
+    if impl == "gloo":
+        torch = peers.torch
+        ctx["tb"] = torch.from_numpy(buf)
+        ctx["to"] = torch.from_numpy(out) if out is not None else None
+        if out is not None:
+            ctx["to_list"] = list(ctx["to"].chunk(n))
+    for _ in range(2):  # warm-up: first-touch pages, connections, caches
+        peers.call(impl, op, buf, out, ctx)
+    comm.Barrier()
+    start = time.perf_counter()
+    peers.call(impl, op, buf, out, ctx)
+    probe = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
+    iters = max(min_iters, min(10000, int(seconds / max(probe, 1e-7))))
+    comm.Barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        peers.call(impl, op, buf, out, ctx)
+    elapsed = time.perf_counter() - start
+    return comm.allreduce(elapsed, op=MPI.MAX) / iters
+
+
+def memcpy_reference(nbytes: int = 64 * MiB) -> float:
+    """One core's numpy copyto bandwidth (bytes of array per second) at `nbytes`."""
+    src = np.ones(nbytes // 4, np.float32)
+    dst = np.empty_like(src)
+    for _ in range(2):
+        np.copyto(dst, src)
+    iters = 10
+    start = time.perf_counter()
+    for _ in range(iters):
+        np.copyto(dst, src)
+    return nbytes * iters / (time.perf_counter() - start)
+
+
+def bus_factor(op: str, n: int) -> float:
+    return {"allreduce": 2 * (n - 1) / n, "allgather": (n - 1) / n, "broadcast": 1.0}[op]
+
+
+def run(argv) -> int:
+    from mpi4py import MPI
+
+    args = parse_args(argv)
+    comm = MPI.COMM_WORLD
+    n, rank = comm.size, comm.rank
+    ops = [o for o in args.ops.split(",") if o]
+    sizes = [parse_size(s) for s in args.sizes.split(",") if s]
+    impls = [i for i in args.impls.split(",") if i]
+    peers = Peers(comm, impls)
+    impls = peers.impls
+    comm.Barrier()
+    memcpy = memcpy_reference() if rank == 0 else 0.0  # the others wait: one core really alone
+    memcpy = comm.bcast(memcpy, root=0)
+    rows = []
+    if rank == 0:
+        print(f"nbdist bench: {n} ranks on {socket.gethostname()}, {args.dtype}, "
+              f"single-core memcpy (numpy copyto, 64 MiB) {memcpy / 1e9:.2f} GB/s")
+        print("transports: " + ", ".join(f"{op}→{peers.transport_name(op)}" for op in ops))
+    for op in ops:
+        if rank == 0:
+            header = f"{'size':>9} " + "".join(f"| {i + ' time':>17} {'algbw':>6} {'busbw':>6} " for i in impls)
+            print(f"\n{op} (GB/s; ratios of nbdist's busbw)")
+            print(header + "| vs mpi4py | vs gloo | % memcpy")
+        for nbytes in sizes:
+            row = {"op": op, "bytes": nbytes, "ranks": n, "dtype": args.dtype,
+                   "memcpy_GBps": memcpy / 1e9}
+            for impl in impls:
+                per_op = measure(peers, impl, op, nbytes, np.dtype(args.dtype), args.time, args.min_iters)
+                moved = nbytes * n if op == "allgather" else nbytes
+                algbw = moved / per_op / 1e9
+                row[impl] = {"time_us": per_op * 1e6, "algbw_GBps": algbw,
+                             "busbw_GBps": algbw * bus_factor(op, n)}
+            best = row.get("nbdist-raw") or row.get("nbdist")
+            if best:
+                for peer in ("mpi4py", "gloo"):
+                    if peer in row:
+                        row[f"busbw_vs_{peer}"] = best["busbw_GBps"] / row[peer]["busbw_GBps"]
+                        row[f"time_vs_{peer}"] = best["time_us"] / row[peer]["time_us"]
+                row["busbw_pct_memcpy"] = 100 * best["busbw_GBps"] / (memcpy / 1e9)
+            rows.append(row)
+            if rank == 0:
+                cells = "".join(f"| {row[i]['time_us']:>14.1f} us {row[i]['algbw_GBps']:>6.2f} "
+                                f"{row[i]['busbw_GBps']:>6.2f} " for i in impls)
+                ratios = "".join(f"| {row[k]:>8.2f}x " if k in row else "|        - "
+                                 for k in ("busbw_vs_mpi4py", "busbw_vs_gloo"))
+                pct = f"| {row['busbw_pct_memcpy']:>6.1f}%" if "busbw_pct_memcpy" in row else ""
+                print(f"{human(nbytes):>9} {cells}{ratios}{pct}", flush=True)
+    peers.close()
+    if rank == 0:
+        if args.json_file:
+            with open(args.json_file, "w") as f:
+                json.dump({"ranks": n, "memcpy_GBps": memcpy / 1e9, "rows": rows}, f, indent=1)
+        if args.plot_file:
+            plot(rows, impls, n, args.plot_file)
+    return 0
+
+
+def plot(rows, impls, n, path) -> None:
+    """busbw against size, one panel per op, one line per implementation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops = sorted({r["op"] for r in rows}, key=OPS.index)
+    fig, axes = plt.subplots(1, len(ops), figsize=(5 * len(ops), 4), squeeze=False)
+    for ax, op in zip(axes[0], ops):
+        mine = [r for r in rows if r["op"] == op]
+        for impl in impls:
+            ax.plot([r["bytes"] for r in mine], [r[impl]["busbw_GBps"] for r in mine], marker="o", label=impl)
+        ax.axhline(mine[0]["memcpy_GBps"], color="grey", linestyle=":", label="1-core memcpy")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("bytes per rank")
+        ax.set_ylabel("busbw (GB/s)")
+        ax.set_title(f"{op}, {n} ranks")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+if __name__ == "__main__":
+    sys.exit(run(sys.argv[1:]))
