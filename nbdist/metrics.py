@@ -38,6 +38,11 @@ def _interval(name: str, default: float) -> float:
         raise ValueError(f"environment variable {name}={raw!r} is not a number of seconds") from None
 
 
+def text_interval(tty: bool) -> float:
+    """Seconds between text progress lines: 0.2 on a terminal (rewritten in place), 5 in a log."""
+    return _interval("NBDIST_TEXT_INTERVAL", 0.2 if tty else 5.0)
+
+
 def detect_rank() -> int:
     """This process's rank: nbdist's runtime if initialized, else the MPI launcher's env, else 0."""
     common = sys.modules.get("nbdist.common")
@@ -118,7 +123,7 @@ class _TextSink:
     def __init__(self, stream=None):
         self.stream = stream or sys.stderr
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self.interval = _interval("NBDIST_TEXT_INTERVAL", 0.2 if self.tty else 5.0)
+        self.interval = text_interval(self.tty)
         self._open_line = False  # a '\r' line is on screen and needs a newline at the end
         self._t0 = None
         self._first_step = None

@@ -22,7 +22,7 @@ from collections import deque
 from typing import Any, Mapping, Sequence
 
 from . import progress_render as render
-from .metrics import HISTORY_PREFIX, STATE_KEY
+from .metrics import HISTORY_PREFIX, STATE_KEY, text_interval
 
 RATE_WINDOW_S = 10.0  # rate and ETA follow the last 10 s of rank 0's steps
 FINAL_STATES = ("done", "failed", "interrupted", "timeout")
@@ -270,11 +270,10 @@ class TextView:
             from IPython.display import display
 
             self.handle = display({"text/plain": run.text_line()}, raw=True, display_id=True)
-        else:
+        else:  # terminal IPython or plain Python: the same pacing as rank 0's line in a script
             self.stream = stream or sys.stderr
             self._tty = bool(getattr(self.stream, "isatty", lambda: False)())
-            if not self._tty:
-                self.interval = float(os.environ.get("NBDIST_TEXT_INTERVAL", "5") or 5)
+            self.interval = text_interval(self._tty)
 
     def render(self, force: bool = False) -> None:
         now = time.monotonic()
