@@ -70,13 +70,16 @@ for step in range(1, 11):
     nbdist.metrics.report(step=step, total=10, loss=2.0 / step)
 """
 
+TRAIN4 = TRAIN.replace("-n 2", "-n 4").replace("total=40", "total=40, ranks=4")
+
 TABLE = "import nbdist\ntable = nbdist.last_metrics()\nprint(list(table['step'])[-1], list(table['loss'])[-1], len(table))"
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """Execute the notebook once (widget state stored), save it, and read it back."""
-    nb = notebook("%load_ext nbdist", TRAIN, FAIL, INTERRUPT, TIMEOUT, TEXT, TABLE, "%dist_stop")
+    nb = notebook("%load_ext nbdist", TRAIN, FAIL, INTERRUPT, TIMEOUT, TEXT, TABLE, TRAIN4,
+                  "%dist_stop")
 
     def timeout_func(cell):
         return cell.metadata.get("interrupt_after", 180)
@@ -178,6 +181,15 @@ def test_last_metrics_is_a_table_of_the_last_run(saved):
     text = "".join(o.get("text", "") for o in saved.cells[6].outputs if o.output_type == "stream")
     last_step, last_loss, rows = text.split()
     assert (int(last_step), float(last_loss)) == (10, 0.2) and int(rows) >= 2
+
+
+def test_four_ranks_each_get_a_row(saved):
+    tree = widget_tree(saved, progress_output(saved.cells[7]))
+    (bar,) = tree["IntProgressModel"]
+    assert bar["value"] == bar["max"] == 40 and bar["bar_style"] == "success"
+    markup = html_values(tree)
+    assert rank_states(markup) == {0: "done", 1: "done", 2: "done", 3: "done"}
+    assert re.search(r'data-metric="ranks".*?nbdist-value[^>]*>4<', markup, re.S)
 
 
 def test_the_saved_snapshot_is_plain_html(saved):
