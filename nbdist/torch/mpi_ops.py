@@ -137,7 +137,7 @@ def _inplace(tensor: torch.Tensor, what: str, reduction: bool, submit: Callable)
     """Run `submit(buffer)` so that the result lands in `tensor` itself."""
     _tu.check_tensor(tensor, what, reduction=reduction)
     target = tensor.detach()
-    staging = target if target.is_contiguous() else target.contiguous()
+    staging = _tu.inplace_staging(target)
     inner = submit(_tu.as_buffer(staging))
 
     def finish(_result):
@@ -152,6 +152,12 @@ def _inplace(tensor: torch.Tensor, what: str, reduction: bool, submit: Callable)
 
 def _allreduce_submit(tensor, name, op, prescale_factor, postscale_factor) -> Handle:
     _tu.check_tensor(tensor, "allreduce", reduction=True)
+    if _tu.gpu_direct(tensor):  # NCCL reduces in place: reduce a copy
+        out = tensor.detach().clone(memory_format=torch.contiguous_format)
+        inner = _c.allreduce_async_(_tu.as_buffer(out), op=op, name=name,
+                                    prescale_factor=prescale_factor,
+                                    postscale_factor=postscale_factor)
+        return Handle(inner, lambda _result: out, keep=(out,))
     src = _tu.contiguous_input(tensor)
     inner = _c.allreduce_async(_tu.as_buffer(src), op=op, name=name,
                                prescale_factor=prescale_factor, postscale_factor=postscale_factor)
@@ -220,8 +226,15 @@ def _check_group(tensors, what: str) -> list:
     return tensors
 
 
+def _member(name, index: int):
+    return None if name is None else f"{name}.{index}"
+
+
 def _grouped_submit(tensors, name, op, prescale_factor, postscale_factor) -> Handle:
     tensors = _check_group(tensors, "grouped_allreduce")
+    if any(_tu.gpu_direct(t) for t in tensors):  # the NCCL path reduces one tensor at a time
+        return _ListHandle([_allreduce_submit(t, _member(name, i), op, prescale_factor,
+                                              postscale_factor) for i, t in enumerate(tensors)])
     srcs = [_tu.contiguous_input(t) for t in tensors]
     inner = _c.grouped_allreduce_async([_tu.as_buffer(s) for s in srcs], op=op, name=name,
                                        prescale_factor=prescale_factor,
@@ -247,8 +260,11 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
     op = _reduce_op(op, average, "grouped_allreduce_async_")
     check_process_set(process_set, "grouped_allreduce_async_")
     tensors = _check_group(tensors, "grouped_allreduce_async_")
+    if any(_tu.gpu_direct(t) for t in tensors):  # the NCCL path reduces one tensor at a time
+        return _ListHandle([allreduce_async_(t, None, _member(name, i), op, prescale_factor,
+                                             postscale_factor) for i, t in enumerate(tensors)])
     targets = [t.detach() for t in tensors]
-    stagings = [t if t.is_contiguous() else t.contiguous() for t in targets]
+    stagings = [_tu.inplace_staging(t) for t in targets]
     inner = _c.grouped_allreduce_async_([_tu.as_buffer(s) for s in stagings], op=op, name=name,
                                         prescale_factor=prescale_factor,
                                         postscale_factor=postscale_factor)
@@ -389,6 +405,10 @@ def _check_root(root_rank, what: str) -> int:
 def _broadcast_submit(tensor, root_rank, name) -> Handle:
     _tu.check_tensor(tensor, "broadcast")
     root = _check_root(root_rank, "broadcast")
+    if _tu.gpu_direct(tensor):  # NCCL broadcasts in place: into a copy
+        out = tensor.detach().clone(memory_format=torch.contiguous_format)
+        inner = _c.broadcast_async_(_tu.as_buffer(out), root, name=name)
+        return Handle(inner, lambda _result: out, keep=(out,))
     src = _tu.contiguous_input(tensor)
     inner = _c.broadcast_async(_tu.as_buffer(src), root, name=name)
     return Handle(inner, _to_result(tensor, same_shape=True), keep=(src,))

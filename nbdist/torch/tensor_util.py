@@ -45,13 +45,6 @@ def check_tensor(tensor, what: str, reduction: bool = False) -> None:
     if tensor.device.type not in ("cpu", "cuda"):
         raise TypeError(f"{what} on {_rank()}: tensors on {tensor.device} are not supported "
                         "(CPU and CUDA only)")
-    if tensor.is_cuda:
-        from nbdist import common
-        if not common.nccl_built():
-            raise RuntimeError(
-                f"{what} on {_rank()}: the tensor is on {tensor.device}, but the NCCL path is "
-                "not available on this machine (nbdist.common.nccl_built() is False); "
-                "move it to the CPU with .cpu(), or run where libnccl loads")
 
 
 def numpy_view(tensor: torch.Tensor) -> np.ndarray:
@@ -75,10 +68,32 @@ def as_buffer(tensor: torch.Tensor):
     return numpy_view(tensor)
 
 
+def gpu_direct(tensor: torch.Tensor) -> bool:
+    """True when `tensor` can go to nbdist.common as GPU memory (the NCCL path)."""
+    if not tensor.is_cuda:
+        return False
+    from nbdist import common
+    return bool(common.nccl_built())
+
+
 def contiguous_input(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor itself when contiguous (zero copy), else a contiguous copy."""
+    """An out-of-place op's input: the tensor itself when contiguous (zero copy), else a copy.
+
+    CUDA tensors are staged through host memory here: nbdist.common moves GPU memory
+    only for the in-place allreduce_/broadcast_ (which allreduce/broadcast use directly).
+    """
     t = tensor.detach()
+    if t.is_cuda:
+        return t.cpu()
     return t if t.is_contiguous() else t.contiguous()
+
+
+def inplace_staging(target: torch.Tensor) -> torch.Tensor:
+    """Where an in-place op writes: `target` itself when possible, else a contiguous copy
+    (in host memory for a CUDA tensor without the NCCL path) that is copied back after."""
+    if target.is_cuda and not gpu_direct(target):
+        return target.cpu()
+    return target if target.is_contiguous() else target.contiguous()
 
 
 def to_tensor(result, like: torch.Tensor, shape=None) -> torch.Tensor:
@@ -90,15 +105,15 @@ def to_tensor(result, like: torch.Tensor, shape=None) -> torch.Tensor:
     out = _to_tensor(result, like)
     if shape is not None and tuple(out.shape) != tuple(shape):
         out = out.reshape(shape)
+    if out.device != like.device:  # a CUDA tensor's op staged through host memory
+        out = out.to(like.device)
     return out
 
 
 def _to_tensor(result, like: torch.Tensor) -> torch.Tensor:
     if isinstance(result, torch.Tensor):
         return result
-    if like.is_cuda:
-        if hasattr(result, "__dlpack__"):
-            return torch.from_dlpack(result)
+    if hasattr(result, "__cuda_array_interface__"):
         return torch.as_tensor(result, device=like.device)
     array = np.asarray(result)
     if not array.flags.writeable:  # torch warns on read-only arrays; results should be ours

@@ -3,6 +3,8 @@
 Every rank runs every test in the same order. Each rank builds the inputs of all
 ranks deterministically, so it can compute the expected result itself.
 """
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -311,7 +313,6 @@ def test_reducescatter_refuses_min():
 def test_async_poll_and_synchronize():
     xs = [torch.full((1000,), float(R() + i)) for i in range(8)]
     handles = [hvd.allreduce_async(x, op=hvd.Sum, name=f"async.{i}") for i, x in enumerate(xs)]
-    import time
     deadline = time.time() + 30
     while not all(hvd.poll(h) for h in handles):
         assert time.time() < deadline, "async allreduces never completed"
@@ -351,6 +352,7 @@ def test_name_in_flight_twice_is_an_error():
         with pytest.raises(ValueError, match="twice"):
             hvd.allreduce_async(x, name="twice")
     else:
+        time.sleep(0.5)  # let rank 0's refused resubmission reach the coordinator first
         first = hvd.allreduce_async(x, name="twice")
     with pytest.raises(Exception):
         hvd.synchronize(first)
