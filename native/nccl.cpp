@@ -83,11 +83,15 @@ bool resolve(void* lib, const char* name, F& out, std::string& error) {
 }
 
 void* open_first(const std::vector<std::string>& candidates, std::string& tried) {
+  tried.clear();
   for (const auto& path : candidates) {
     void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
     if (h != nullptr) return h;
     const char* e = dlerror();
-    tried += "\n  " + path + ": " + (e ? e : "not found");
+    std::string why = e ? e : "not found";
+    // dlerror repeats the name: "libx.so: libx.so: cannot open ..."; keep the reason only.
+    size_t colon = why.rfind(": ");
+    tried += (tried.empty() ? "" : "; ") + path + " (" + (colon == std::string::npos ? why : why.substr(colon + 2)) + ")";
   }
   return nullptr;
 }
@@ -101,12 +105,12 @@ const Api& load_api(const std::vector<std::string>& nccl_paths, const std::vecto
   std::string tried;
   a.cudart = open_first(cudart_paths, tried);
   if (a.cudart == nullptr) {
-    a.error = "the CUDA runtime (libcudart) could not be loaded:" + tried;
+    a.error = "the CUDA runtime could not be loaded, tried " + tried;
     return a;
   }
   a.nccl = open_first(nccl_paths, tried);
   if (a.nccl == nullptr) {
-    a.error = "libnccl could not be loaded:" + tried;
+    a.error = "libnccl could not be loaded, tried " + tried;
     return a;
   }
   std::string& e = a.error;

@@ -1,0 +1,124 @@
+"""`nbdist doctor`: what this machine has (native module, NCCL, MPI, GPUs, frameworks)
+and which transport each op would use. Run it alone, or under `mpiexec -n N nbdist doctor`
+to see the choice for that many ranks (rank 0 prints; every rank's choice is checked).
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+import sys
+
+FRAMEWORKS = ("numpy", "ml_dtypes", "mpi4py", "mpich", "torch", "tensorflow", "cupy-cuda12x",
+              "jax", "ipyparallel", "nvidia-nccl-cu12", "nvidia-cuda-runtime-cu12")
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def native_report() -> list[str]:
+    """What nbdist._native was built with."""
+    try:
+        from nbdist import _native
+    except ImportError as exc:
+        return [f"native module    not built ({exc}); CPU ops use MPI only"]
+    lines = [f"native module    {_native.__file__}",
+             f"  shm collectives {'built' if _native.shm_built() else 'not built'}"
+             f" (reduction kernels: {_native.kernel_isa()})"]
+    from nbdist.common.transports.nccl import load_nccl
+
+    reason = load_nccl()
+    if _native.nccl_built():
+        version = _native.nccl_version()
+        lines.append(f"  NCCL            loaded (version {version}); {reason or 'usable'}")
+    else:
+        lines.append(f"  NCCL            not usable here: {reason}")
+    return lines
+
+
+def gpu_report() -> list[str]:
+    lines = []
+    try:
+        from nbdist import _native
+
+        lines.append(f"GPUs (CUDA runtime) {_native.cuda_device_count()}")
+    except ImportError:
+        pass
+    if _version("torch"):
+        try:
+            import torch
+
+            count = torch.cuda.device_count()
+            names = [torch.cuda.get_device_name(i) for i in range(count)]
+            lines.append(f"GPUs (torch)     {count} {names if names else ''}".rstrip())
+        except Exception as exc:  # a broken CUDA install should not break the doctor
+            lines.append(f"GPUs (torch)     error: {exc}")
+    return lines
+
+
+def main() -> int:
+    """Print the report; 0 when it ran, 1 when MPI is missing."""
+    from nbdist import __version__
+    from nbdist.common.basics import _mpi
+
+    MPI = _mpi()
+    rank = MPI.COMM_WORLD.rank if MPI is not None else 0
+    out = []
+    if rank == 0:
+        out += [f"nbdist {__version__} on Python {platform.python_version()} ({sys.executable})",
+                f"machine          {platform.node()} {platform.machine()}, {platform.platform()}"]
+        out += native_report()
+        if MPI is None:
+            out.append("MPI              not available: pip install 'nbdist[mpi]'")
+        else:
+            library = MPI.Get_library_version().strip().splitlines()[0]
+            out.append(f"MPI              {library} (mpi4py {_version('mpi4py')}, thread level "
+                       f"{ {MPI.THREAD_MULTIPLE: 'multiple', MPI.THREAD_SERIALIZED: 'serialized', MPI.THREAD_FUNNELED: 'funneled', MPI.THREAD_SINGLE: 'single'}.get(MPI.Query_thread(), '?') })")
+        out += gpu_report()
+        installed = [f"{d} {_version(d)}" for d in FRAMEWORKS if _version(d)]
+        out.append("installed        " + ", ".join(installed))
+    if MPI is None:
+        print("\n".join(out))
+        return 1
+    out += transport_report(MPI)
+    if rank == 0:
+        print("\n".join(out), flush=True)
+    return 0
+
+
+def transport_report(MPI) -> list[str]:
+    """Which transport each op would use with this many ranks (collective over COMM_WORLD)."""
+    from nbdist.common.config import Config
+    from nbdist.common.topology import Topology
+    from nbdist.common.transports.select import KINDS, TransportSet
+
+    comm = MPI.COMM_WORLD
+    config = Config.from_environment()
+    topology = Topology.from_mpi(comm, config.local_size)
+    try:
+        transports = TransportSet(config, topology, lambda: None)
+        choice = transports.describe()
+        transports.close()
+    finally:
+        topology.free()
+    choices = comm.gather(choice, root=0)
+    leaders = comm.gather(topology.local_rank == 0, root=0)
+    if comm.rank != 0:
+        return []
+    pretend = f", pretend nodes: NBDIST_LOCAL_SIZE={config.local_size}" if config.local_size else ""
+    lines = [f"options          {config.describe()}",
+             f"ranks            {comm.size} (local size {topology.local_size}, "
+             f"nodes {sum(leaders)}{pretend})",
+             f"CPU transport    mode {choice['cpu_mode']}"]
+    for kind in KINDS:
+        lines.append(f"  {kind:<14} {choice['cpu'][kind]}")
+    lines.append(f"GPU transport    {choice['gpu']}")
+    if any(c != choice for c in choices):
+        lines.append("WARNING          ranks disagree on transports: " + repr(choices))
+    if comm.size == 1:
+        lines.append("(one rank: every op is local; run `mpiexec -n 4 nbdist doctor` to see the "
+                     "choice for 4 ranks)")
+    return lines
