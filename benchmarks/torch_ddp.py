@@ -1,0 +1,150 @@
+"""Training throughput on CPU: nbdist.torch's DistributedOptimizer beside PyTorch DDP (gloo).
+
+Run on 2 ranks (one mpiexec run measures everything, in alternating rounds):
+
+    .venv/bin/mpiexec -n 2 .venv/bin/python benchmarks/torch_ddp.py [--json out.json]
+
+Per round: (1) one rank alone, plain PyTorch, on one rank's batch (the 1-rank baseline),
+(2) every rank with nbdist's DistributedOptimizer, (3) every rank with
+torch.nn.parallel.DistributedDataParallel over gloo (MASTER_ADDR=127.0.0.1, a free port).
+Same model, per-rank batch, synthetic data and SGD in every phase; each rank uses
+torch.set_num_threads(1), so 2 ranks on 2 cores compare fairly with 1 rank on 1 core.
+Reported: samples/s (global), scaling efficiency = samples/s / (ranks x 1-rank samples/s),
+and nbdist / DDP. The median of the rounds is the figure.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import nbdist.torch as hvd
+
+
+def make_model(kind: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    if kind == "mlp":
+        return nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
+                             nn.Linear(1024, 512), nn.ReLU(), nn.Linear(512, 10))
+    if kind == "cnn":
+        return nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                             nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                             nn.Flatten(), nn.Linear(64 * 8 * 8, 256), nn.ReLU(), nn.Linear(256, 10))
+    raise ValueError(f"unknown model {kind!r}")
+
+
+def make_batch(kind: str, batch: int):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, 512, generator=g) if kind == "mlp" else torch.randn(batch, 3, 32, 32, generator=g)
+    return x, torch.randint(0, 10, (batch,), generator=g)
+
+
+def run_steps(model, opt, x, y, steps: int) -> float:
+    """Seconds for `steps` training steps (forward, backward, step)."""
+    start = time.perf_counter()
+    for _ in range(steps):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return time.perf_counter() - start
+
+
+def timed_distributed(fn, steps: int) -> float:
+    """The slowest rank's time for fn(steps), between two barriers."""
+    hvd.barrier()
+    elapsed = fn(steps)
+    hvd.barrier()
+    return max(hvd.allgather_object(elapsed))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=["mlp", "cnn"], default="mlp")
+    parser.add_argument("--batch", type=int, default=64, help="samples per rank per step")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per phase")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", help="write the figures to this file")
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    x, y = make_batch(args.model, args.batch)
+    params = sum(p.numel() for p in make_model(args.model).parameters())
+
+    # nbdist: DistributedOptimizer, gradients averaged while backward runs
+    nb_model = make_model(args.model)
+    nb_opt = hvd.DistributedOptimizer(torch.optim.SGD(nb_model.parameters(), lr=0.01),
+                                      named_parameters=nb_model.named_parameters())
+    hvd.broadcast_parameters(nb_model.state_dict(), root_rank=0)
+
+    # DDP over gloo, rendezvous on this machine
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(hvd.broadcast_object(free_port() if rank == 0 else None, 0))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=size)
+    ddp_model = nn.parallel.DistributedDataParallel(make_model(args.model))
+    ddp_opt = torch.optim.SGD(ddp_model.parameters(), lr=0.01)
+
+    single_model = make_model(args.model)
+    single_opt = torch.optim.SGD(single_model.parameters(), lr=0.01)
+
+    def single(steps):  # rank 0 alone; the others wait at the barrier (idle, no CPU)
+        return run_steps(single_model, single_opt, x, y, steps) if rank == 0 else 0.0
+
+    phases = {
+        "1 rank (plain torch)": (single, args.batch),
+        f"nbdist DistributedOptimizer ({size} ranks)": (
+            lambda s: run_steps(nb_model, nb_opt, x, y, s), args.batch * size),
+        f"torch DDP gloo ({size} ranks)": (
+            lambda s: run_steps(ddp_model, ddp_opt, x, y, s), args.batch * size),
+    }
+    rates = {name: [] for name in phases}
+    for fn, _ in phases.values():
+        timed_distributed(fn, args.warmup)
+    for _ in range(args.rounds):
+        for name, (fn, samples) in phases.items():
+            rates[name].append(samples * args.steps / timed_distributed(fn, args.steps))
+    torch.distributed.destroy_process_group()
+
+    if rank == 0:
+        names = list(phases)
+        base = statistics.median(rates[names[0]])
+        nb = statistics.median(rates[names[1]])
+        ddp = statistics.median(rates[names[2]])
+        print(f"model {args.model} ({params / 1e6:.2f} M parameters), batch {args.batch}/rank, "
+              f"{args.steps} steps x {args.rounds} rounds, torch {torch.__version__}, "
+              f"1 thread per rank")
+        print(f"{'phase':42s} {'samples/s':>10s} {'efficiency':>10s}   rounds")
+        for name in names:
+            med = statistics.median(rates[name])
+            eff = med / (base * (size if name != names[0] else 1))
+            print(f"{name:42s} {med:10.1f} {eff:10.2f}   "
+                  + " ".join(f"{r:.0f}" for r in rates[name]))
+        print(f"nbdist / DDP throughput: {nb / ddp:.2f}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"model": args.model, "parameters": params, "batch_per_rank": args.batch,
+                           "ranks": size, "steps": args.steps, "rounds": args.rounds,
+                           "samples_per_s": {n: rates[n] for n in names},
+                           "nbdist_over_ddp": nb / ddp,
+                           "efficiency": {"nbdist": nb / (size * base), "ddp": ddp / (size * base)}},
+                          f, indent=2)
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()
