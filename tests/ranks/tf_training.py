@@ -89,9 +89,11 @@ def test_embedding_gradients_gathered_or_densified(mode, sparse_as_dense):
     np.testing.assert_allclose(dense, expect, rtol=1e-6)
 
 
-def test_tape_and_optimizer_do_not_reduce_twice(monkeypatch):
-    calls = []
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_tape_and_optimizer_do_not_reduce_twice(monkeypatch, mode):
     import nbdist.common as common
+
+    calls = []
     original = common.allreduce_async
 
     def counting(array, *args, **kwargs):
@@ -101,21 +103,29 @@ def test_tape_and_optimizer_do_not_reduce_twice(monkeypatch):
     model = keras.Sequential([keras.layers.Dense(3), keras.layers.Dense(1)])
     model(tf.zeros((1, 4)))
     opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1))
-    with tf.GradientTape() as tape:
-        loss = tf.reduce_mean(model(tf.ones((2, 4))) ** 2)
-    tape = hvd.DistributedGradientTape(tape)
-    grads = tape.gradient(loss, model.trainable_variables)
-    opt.apply_gradients(zip(grads, model.trainable_variables))
-    assert len(calls) == len(model.trainable_variables), calls  # once per variable, by the tape
+
+    def both():  # the user's example: a distributed tape and a distributed optimizer
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(model(tf.ones((2, 4))) ** 2)
+        tape = hvd.DistributedGradientTape(tape)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    def optimizer_only():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(model(tf.ones((2, 4))) ** 2)
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                model.trainable_variables))
+    if mode == "function":
+        both, optimizer_only = tf.function(both), tf.function(optimizer_only)
+    n_vars = len(model.trainable_variables)
+    both()
+    assert len(calls) == n_vars, calls  # once per variable, by the tape
     assert all(c.startswith("DistributedGradientTape.") for c in calls), calls
-    # The optimizer alone reduces them (and names its ops after the variables).
     calls.clear()
-    with tf.GradientTape() as tape:
-        loss = tf.reduce_mean(model(tf.ones((2, 4))) ** 2)
-    opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
-                            model.trainable_variables))
-    assert len(calls) == len(model.trainable_variables) and \
-        all(c.startswith("DistributedOptimizer.") for c in calls), calls
+    optimizer_only()  # the optimizer alone reduces them, named after the variables
+    assert len(calls) == n_vars and all(c.startswith("DistributedOptimizer.") for c in calls), \
+        calls
 
 
 def test_optimizer_variables_property_and_call():
