@@ -1,6 +1,9 @@
 // Picks, once, the best compiled variant of the reduction kernels for this CPU.
 #include "kernels.hpp"
 
+#include <cstdlib>
+#include <cstring>
+
 namespace nbdist {
 namespace {
 
@@ -9,8 +12,11 @@ struct Table {
   const char* isa = "baseline";
   Table() {
 #if defined(NBDIST_HAVE_AVX2)
+    // NBDIST_KERNELS=baseline forces the portable variant (to test it on any CPU).
+    const char* force = std::getenv("NBDIST_KERNELS");
+    const bool baseline_only = force != nullptr && std::strcmp(force, "baseline") == 0;
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) {
+    if (!baseline_only && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) {
       isa_avx2::fill(fn);
       isa = "avx2";
       return;

@@ -41,6 +41,31 @@ def test_local_reduce_kernel_matches_numpy(dtype):
     np.testing.assert_array_equal(dst, want)
 
 
+@pytest.mark.timeout(120)
+def test_baseline_kernels_agree_with_the_vectorized_ones():
+    """The portable kernels (chosen on CPUs without AVX2/F16C) give the same bits."""
+    code = (
+        "import numpy as np, nbdist._native as nat\n"
+        "from nbdist.common.transports._dtypes import dtype_code\n"
+        "from nbdist.common.ops_base import BFLOAT16\n"
+        "rng = np.random.default_rng(1)\n"
+        "for dt in [np.float16, BFLOAT16, np.float32, np.int16, np.uint32]:\n"
+        "    for op in (1, 3, 4, 5):\n"
+        "        srcs = [(rng.standard_normal(3001) * 4).astype(dt) for _ in range(3)]\n"
+        "        dst = np.empty_like(srcs[0])\n"
+        "        nat.reduce_local(dst.ctypes.data, [s.ctypes.data for s in srcs], dst.size, dtype_code(dt), op)\n"
+        "        print(nat.kernel_isa(), dst.view(np.uint8).tobytes().hex())\n")
+    outs = {}
+    for isa in ("baseline", "auto"):
+        env = dict(os.environ, NBDIST_KERNELS=isa)
+        proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=100)
+        assert proc.returncode == 0, proc.stderr
+        outs[isa] = [line.split(" ", 1) for line in proc.stdout.splitlines()]
+    assert {isa for isa, _ in outs["baseline"]} == {"baseline"}
+    assert [h for _, h in outs["baseline"]] == [h for _, h in outs["auto"]]
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("n", RANKS)
 def test_shm_collectives(n):

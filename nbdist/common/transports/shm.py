@@ -82,7 +82,7 @@ class ShmTransport(Transport):
         self._native = self._open(native, slot_bytes, nsets)
         oversubscribed = self.size > _cpus()
         # Spinning only pays when every rank has a core; otherwise yield soon.
-        spin = _env_int("NBDIST_SHM_SPIN", 100 if oversubscribed else 4000)
+        spin = _env_int("NBDIST_SHM_SPIN", 100 if oversubscribed else 1000)
         yields = _env_int("NBDIST_SHM_YIELDS", 50 if oversubscribed else 200)
         self._native.set_tuning(spin, yields, _env_int("NBDIST_SHM_SMALL_BYTES", 64 * 1024))
 
