@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -23,6 +24,11 @@ from .process_sets import check_process_set, global_process_set
 
 _instances = itertools.count()  # numbers unnamed optimizers, so two never share op names
 _classes: dict = {}  # one distributed subclass per wrapped optimizer class
+# Each hooked parameter carries a weak reference to the DistributedOptimizer whose hooks
+# it has. In a notebook the cell that wraps the optimizer is often run again on the same
+# model; the new optimizer then takes the parameters over, or the old hooks would submit
+# every gradient twice.
+_OWNER = "_nbdist_hooked_by"
 
 
 class _SparseHandle:
@@ -139,7 +145,16 @@ class _DistributedMixin:
             self._group_ready[key] = 0
 
     def _register_hooks(self) -> None:
+        owners = (getattr(p, _OWNER, lambda: None)() for p in self._params)
+        previous = {id(o): o for o in owners
+                    if o is not None and o is not self and o._hook_handles}
+        for old in previous.values():
+            warnings.warn(f"rank {_c.rank()}: a new DistributedOptimizer takes over parameters of "
+                          "an earlier one, which stops averaging gradients (its hooks are "
+                          "removed)", stacklevel=4)
+            old.remove_hooks()
         for p in self._params:
+            setattr(p, _OWNER, weakref.ref(self))
             if hasattr(p, "register_post_accumulate_grad_hook"):  # torch >= 2.1
                 self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(p)))
             else:  # older torch: the hook on the parameter's AccumulateGrad node

@@ -500,3 +500,31 @@ def test_sync_batch_norm_float32_and_convert():
     assert out.dtype == torch.float32 and model[0].weight.grad is not None
     with pytest.raises(ValueError, match="2D"):
         hvd.SyncBatchNorm(3)(torch.ones(3))
+
+
+def test_gradients_are_submitted_during_backward():
+    """The overlap: by the time backward() returns, every gradient's allreduce is in flight
+    (or done), submitted by the hooks, before step() is called."""
+    model = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    x, y = global_batch(0, 0)
+    F.mse_loss(model(shard(x)), shard(y)).backward()
+    assert set(opt._handles) == set(model.parameters())
+    opt.step()
+    assert not opt._handles
+
+
+def test_wrapping_the_same_model_again_takes_over():
+    """A notebook cell that wraps the optimizer runs twice: the new optimizer takes over."""
+    model = make_model()
+    first = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters())
+    with pytest.warns(UserWarning, match="takes over"):
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters())
+    assert not first._hook_handles
+    train(model, opt, 3, 1, True)
+    ref = make_model()
+    train(ref, torch.optim.SGD(ref.parameters(), lr=0.1), 3, 1, False)
+    assert_same_params(model, ref)
