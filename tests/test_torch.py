@@ -27,9 +27,10 @@ def test_single_process_world():
     hvd.init()
     try:
         x = torch.arange(4.0)
-        assert torch.equal(hvd.allreduce(x), x)
-        assert torch.equal(hvd.allgather(x), x)
-        assert torch.equal(hvd.broadcast(x, 0), x)
+        for out in (hvd.allreduce(x), hvd.allgather(x), hvd.broadcast(x, 0), hvd.alltoall(x),
+                    hvd.reducescatter(x), hvd.grouped_allreduce([x])[0]):
+            assert torch.equal(out, x)
+            assert out.data_ptr() != x.data_ptr(), "a result must not alias its input"
         model = torch.nn.Linear(2, 1)
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                        named_parameters=model.named_parameters())
