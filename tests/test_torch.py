@@ -39,3 +39,15 @@ def test_single_process_world():
         assert isinstance(opt, torch.optim.SGD)
     finally:
         hvd.shutdown()
+
+
+def test_everything_of_nbdist_common_is_reexported():
+    import types
+
+    import nbdist.common as common
+    import nbdist.torch as hvd
+
+    names = [n for n in common.__all__ if not isinstance(getattr(common, n), types.ModuleType)]
+    assert [n for n in names if not hasattr(hvd, n)] == []
+    for name in ("init", "rank", "size", "local_rank", "cross_size", "mpi_threads_supported"):
+        assert getattr(hvd, name) is getattr(common, name)

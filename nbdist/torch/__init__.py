@@ -7,12 +7,14 @@ with Horovod's names, signatures and defaults. See docs/torch.md.
 """
 from __future__ import annotations
 
-from nbdist import common as _common
-from nbdist.common import (cross_rank, cross_size, init, is_initialized, local_rank,
-                           local_size, mpi_built, mpi_threads_supported, nccl_built, rank,
-                           shutdown, size)
+from nbdist.common import (abort, ccl_built, cross_rank, cross_size, cuda_built, ddl_built,
+                           gloo_built, gloo_enabled, init, is_initialized, local_rank,
+                           local_size, mpi_built, mpi_enabled, mpi_threads_supported,
+                           nccl_built, rank, rocm_built, shutdown, size)
 from nbdist.common.errors import (AbortedError, CollectiveError, CollectiveTimeoutError,
-                                  HorovodInternalError, MismatchError, NbdistError)
+                                  HorovodInternalError, MismatchError, NbdistError,
+                                  NotInitializedError, RuntimeBrokenError)
+from nbdist.common.ops_base import ReduceOp
 
 from .compression import Compression
 from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
@@ -30,19 +32,7 @@ from .process_sets import ProcessSet, add_process_set, global_process_set, remov
 from .sync_batch_norm import SyncBatchNorm
 
 
-def _false() -> bool:
-    return False
-
-
-# Horovod's build queries; nbdist.common answers those it knows, the rest are False.
-mpi_enabled = getattr(_common, "mpi_enabled", mpi_built)
-gloo_built = getattr(_common, "gloo_built", _false)
-gloo_enabled = getattr(_common, "gloo_enabled", _false)
-ddl_built = getattr(_common, "ddl_built", _false)
-ccl_built = getattr(_common, "ccl_built", _false)
-mlsl_built = ccl_built
-cuda_built = getattr(_common, "cuda_built", nccl_built)
-rocm_built = getattr(_common, "rocm_built", _false)
+mlsl_built = ccl_built  # Horovod's older name for the oneCCL query
 
 
 def is_homogeneous() -> bool:
@@ -58,4 +48,4 @@ def stop_timeline() -> None:
     """See start_timeline."""
 
 
-__all__ = [name for name in dir() if not name.startswith("_")]
+__all__ = [name for name in dir() if not name.startswith("_") and name != "annotations"]
