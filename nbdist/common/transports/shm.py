@@ -76,11 +76,13 @@ class ShmTransport(Transport):
         self.global_rank = global_rank
         self.timeout_s = timeout_s
         self.should_stop = should_stop
-        slot_bytes = slot_bytes or _env_int("NBDIST_SHM_SLOT_BYTES", 1 * MiB)
+        oversubscribed = self.size > _cpus()
+        # Ranks that time-share cores pay a context switch per synchronisation, so
+        # they move bigger chunks (fewer steps); otherwise 1 MiB keeps steps in cache.
+        slot_bytes = slot_bytes or _env_int("NBDIST_SHM_SLOT_BYTES", (4 if oversubscribed else 1) * MiB)
         slot_bytes = max(4096, (slot_bytes + 4095) // 4096 * 4096)
         nsets = nsets or _env_int("NBDIST_SHM_SETS", 2)
         self._native = self._open(native, slot_bytes, nsets)
-        oversubscribed = self.size > _cpus()
         # Spinning only pays when every rank has a core; otherwise yield soon.
         spin = _env_int("NBDIST_SHM_SPIN", 100 if oversubscribed else 1000)
         yields = _env_int("NBDIST_SHM_YIELDS", 50 if oversubscribed else 200)
