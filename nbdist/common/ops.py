@@ -60,7 +60,8 @@ def as_array(obj: Any, what: str, inplace: bool = False) -> np.ndarray:
         if not array.flags.writeable:
             raise ValueError(f"{what} (in place) needs a writeable array")
         return array
-    return np.ascontiguousarray(array)
+    # (np.ascontiguousarray would turn a 0-d array into shape (1,))
+    return array if array.flags.c_contiguous else np.ascontiguousarray(array)
 
 
 class GPUBuffer:

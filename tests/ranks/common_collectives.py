@@ -73,6 +73,14 @@ def test_allreduce_ops(dtype, shape):
         dtype) != BFLOAT16 else (b.astype(np.float32) * (RANK + 1)).astype(dtype))
 
 
+def test_zero_dim_arrays_keep_their_shape():
+    scalar = np.array(RANK + 1.0, np.float32)
+    assert hvd.allreduce(scalar, op=hvd.Sum, name="scalar.sum").shape == ()
+    assert float(hvd.allreduce(scalar, op=hvd.Sum, name="scalar.sum2")) == SIZE * (SIZE + 1) / 2
+    got = hvd.broadcast(scalar, root_rank=0, name="scalar.bcast")
+    assert got.shape == () and float(got) == 1.0
+
+
 def test_allreduce_inplace_and_scaling():
     x = np.full((4, 4), RANK + 1, np.float32)
     out = hvd.allreduce_(x, op=hvd.Sum, name="inplace")
