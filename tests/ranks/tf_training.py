@@ -188,8 +188,11 @@ def test_progress_callback_reports_every_batch(monkeypatch):
               callbacks=[hvdk.callbacks.BroadcastGlobalVariablesCallback(0),
                          hvdk.callbacks.ProgressCallback()])
     steps = (32 // N) // 4
-    assert [s["step"] for s in seen] == list(range(1, 2 * steps + 1))
+    batches = [s for s in seen if not s.get("flush")]
+    epoch_ends = [s for s in seen if s.get("flush")]
+    assert [s["step"] for s in batches] == list(range(1, 2 * steps + 1))
     assert all(s["total"] == 2 * steps and "loss" in s for s in seen)
+    assert [s["epoch"] for s in epoch_ends] == [1, 2]  # each epoch's end kept in the history
 
 
 def test_broadcast_variables_mismatch_is_a_clear_error_on_every_rank():

@@ -11,6 +11,7 @@ import numpy as np
 import tensorflow as tf
 
 from nbdist import common as _c
+from nbdist.metrics import KerasProgress  # the reporting logic shared with keras_progress_callback
 
 from ..functions import broadcast_variables
 
@@ -205,32 +206,10 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
                   f"{_get_lr(self.model.optimizer):g}.")
 
 
-class ProgressCallback(Callback):
-    """Report each batch to nbdist.metrics (the notebook's progress widget); a no-op without it."""
+class ProgressCallback(KerasProgress, Callback):
+    """Report training to the notebook's progress widget (nbdist.report).
 
-    def __init__(self, every_n_batches: int = 1):
-        super().__init__()
-        self.every_n_batches = max(1, int(every_n_batches))
-        self._step = 0
-        self._total = None
-        try:
-            from nbdist.metrics import report
-        except ImportError as exc:
-            warnings.warn(f"ProgressCallback: nbdist.metrics is not available ({exc}); "
-                          "progress will not be reported", stacklevel=2)
-            report = None
-        self._report = report
+    Every batch is reported (rate-limited by nbdist.metrics), every epoch end is
+    flushed so each epoch's validation metrics stay in the history.
+    """
 
-    def on_train_begin(self, logs=None):
-        params = self.params or {}
-        steps, epochs = params.get("steps"), params.get("epochs") or 1
-        self._total = steps * epochs if steps else None
-        self._step = 0
-
-    def on_train_batch_end(self, batch, logs=None):
-        self._step += 1
-        if self._report is None or self._step % self.every_n_batches:
-            return
-        numbers = {k: _number(v) for k, v in (logs or {}).items()}
-        self._report(step=self._step, total=self._total,
-                     **{k: v for k, v in numbers.items() if v is not None})
