@@ -9,7 +9,8 @@ Per round: (1) one rank alone, plain PyTorch, on one rank's batch (the 1-rank ba
 torch.nn.parallel.DistributedDataParallel over gloo (MASTER_ADDR=127.0.0.1, a free port).
 Same model, per-rank batch, synthetic data and SGD in every phase; each rank uses
 torch.set_num_threads(1), so 2 ranks on 2 cores compare fairly with 1 rank on 1 core.
-Reported: samples/s (global), scaling efficiency = samples/s / (ranks x 1-rank samples/s),
+Reported: samples/s (global), rank 0's CPU milliseconds per step (all its threads),
+scaling efficiency = samples/s / (ranks x 1-rank samples/s),
 and nbdist / DDP (the median of per-round ratios: the phases of a round run back to
 back, which cancels most of the drift from other load on a shared machine).
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import socket
 import statistics
 import time
@@ -57,12 +59,20 @@ def run_steps(model, opt, x, y, steps: int) -> float:
     return time.perf_counter() - start
 
 
-def timed_distributed(fn, steps: int) -> float:
-    """The slowest rank's time for fn(steps), between two barriers."""
+def cpu_seconds() -> float:
+    """CPU time of this process (all its threads: the runtime's too)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def timed_distributed(fn, steps: int) -> tuple[float, float]:
+    """The slowest rank's wall time for fn(steps), and rank 0's CPU time, between barriers."""
     hvd.barrier()
+    cpu = cpu_seconds()
     elapsed = fn(steps)
+    cpu = cpu_seconds() - cpu
     hvd.barrier()
-    return max(hvd.allgather_object(elapsed))
+    return max(hvd.allgather_object(elapsed)), cpu
 
 
 def free_port() -> int:
@@ -114,11 +124,14 @@ def main() -> None:
             lambda s: run_steps(ddp_model, ddp_opt, x, y, s), args.batch * size),
     }
     rates = {name: [] for name in phases}
+    cpu_ms = {name: [] for name in phases}  # rank 0's CPU per step: compute + communication
     for fn, _ in phases.values():
         timed_distributed(fn, args.warmup)
     for _ in range(args.rounds):
         for name, (fn, samples) in phases.items():
-            rates[name].append(samples * args.steps / timed_distributed(fn, args.steps))
+            wall, cpu = timed_distributed(fn, args.steps)
+            rates[name].append(samples * args.steps / wall)
+            cpu_ms[name].append(1e3 * cpu / args.steps)
     torch.distributed.destroy_process_group()
 
     if rank == 0:
@@ -129,11 +142,11 @@ def main() -> None:
         print(f"model {args.model} ({params / 1e6:.2f} M parameters), batch {args.batch}/rank, "
               f"{args.steps} steps x {args.rounds} rounds, torch {torch.__version__}, "
               f"1 thread per rank")
-        print(f"{'phase':42s} {'samples/s':>10s} {'efficiency':>10s}   rounds")
+        print(f"{'phase':42s} {'samples/s':>10s} {'efficiency':>10s} {'cpu ms/step':>12s}   rounds")
         for name in names:
             med = statistics.median(rates[name])
             eff = med / (base * (size if name != names[0] else 1))
-            print(f"{name:42s} {med:10.1f} {eff:10.2f}   "
+            print(f"{name:42s} {med:10.1f} {eff:10.2f} {statistics.median(cpu_ms[name]):12.1f}   "
                   + " ".join(f"{r:.0f}" for r in rates[name]))
         # Each round runs the phases back to back, so the per-round ratio is the figure
         # least disturbed by other load on the machine.
@@ -145,6 +158,7 @@ def main() -> None:
                 json.dump({"model": args.model, "parameters": params, "batch_per_rank": args.batch,
                            "ranks": size, "steps": args.steps, "rounds": args.rounds,
                            "samples_per_s": {n: rates[n] for n in names},
+                           "rank0_cpu_ms_per_step": {n: cpu_ms[n] for n in names},
                            "nbdist_over_ddp_paired": paired, "nbdist_over_ddp": nb / ddp,
                            "efficiency": {"nbdist": nb / (size * base), "ddp": ddp / (size * base)}},
                           f, indent=2)
