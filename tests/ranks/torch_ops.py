@@ -351,8 +351,9 @@ def test_name_in_flight_twice_is_an_error():
         first = hvd.allreduce_async(x, name="twice")
         with pytest.raises(ValueError, match="twice"):
             hvd.allreduce_async(x, name="twice")
-    else:
-        time.sleep(0.5)  # let rank 0's refused resubmission reach the coordinator first
+    # rank 0 (the coordinator) has taken the refusal in before this barrier completes
+    hvd.barrier()
+    if R() != 0:
         first = hvd.allreduce_async(x, name="twice")
     with pytest.raises(Exception):
         hvd.synchronize(first)
