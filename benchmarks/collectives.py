@@ -9,8 +9,9 @@ For each op and size it times, with the same buffers and iteration counts on all
   nbdist-raw  the transport the engine would pick, called directly (engine overhead = the gap)
   mpi4py      comm.Allreduce / Allgather / Bcast on the same MPI
   gloo        torch.distributed with the gloo backend (when torch is installed)
-Time per op is the slowest rank's mean. algbw = bytes / time; busbw follows nccl-tests:
-allreduce × 2(n-1)/n, allgather × (n-1)/n (bytes = the gathered total), broadcast × 1.
+Time per op is the slowest rank's mean, the median of --repeats interleaved measurements.
+algbw = bytes / time; busbw follows nccl-tests: allreduce × 2(n-1)/n, allgather × (n-1)/n
+(bytes = the gathered total), broadcast × 1.
 """
 from __future__ import annotations
 
@@ -48,7 +49,9 @@ def parse_args(argv):
     p.add_argument("--sizes", default=DEFAULT_SIZES, help=f"bytes per rank's buffer (default {DEFAULT_SIZES})")
     p.add_argument("--impls", default=",".join(IMPLS), help="which of nbdist,nbdist-raw,mpi4py,gloo")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--time", type=float, default=0.4, help="seconds to spend per measurement (default 0.4)")
+    p.add_argument("--time", type=float, default=0.25, help="seconds to spend per measurement (default 0.25)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="measurements per implementation, interleaved; the median is reported (default 3)")
     p.add_argument("--min-iters", type=int, default=3)
     p.add_argument("--json", dest="json_file", help="write the rows to this JSON file")
     p.add_argument("--plot", dest="plot_file", help="draw busbw against size to this image (matplotlib)")
@@ -170,17 +173,19 @@ def measure(peers: Peers, impl: str, op: str, nbytes: int, dtype, seconds: float
     return comm.allreduce(elapsed, op=MPI.MAX) / iters
 
 
-def memcpy_reference(nbytes: int = 64 * MiB) -> float:
-    """One core's numpy copyto bandwidth (bytes of array per second) at `nbytes`."""
+def memcpy_reference(nbytes: int = 64 * MiB, trials: int = 3) -> float:
+    """One core's numpy copyto bandwidth (bytes of array per second) at `nbytes`: the best of `trials`."""
     src = np.ones(nbytes // 4, np.float32)
     dst = np.empty_like(src)
     for _ in range(2):
         np.copyto(dst, src)
-    iters = 10
-    start = time.perf_counter()
-    for _ in range(iters):
-        np.copyto(dst, src)
-    return nbytes * iters / (time.perf_counter() - start)
+    best, iters = 0.0, 10
+    for _ in range(trials):
+        start = time.perf_counter()
+        for _ in range(iters):
+            np.copyto(dst, src)
+        best = max(best, nbytes * iters / (time.perf_counter() - start))
+    return best
 
 
 def bus_factor(op: str, n: int) -> float:
@@ -214,12 +219,20 @@ def run(argv) -> int:
         for nbytes in sizes:
             row = {"op": op, "bytes": nbytes, "ranks": n, "dtype": args.dtype,
                    "memcpy_GBps": memcpy / 1e9}
+            # Interleaved repeats: a burst of load from elsewhere on a shared machine
+            # hits every implementation alike, and the median drops the outliers.
+            times = {impl: [] for impl in impls}
+            for _ in range(max(1, args.repeats)):
+                for impl in impls:
+                    times[impl].append(measure(peers, impl, op, nbytes, np.dtype(args.dtype),
+                                               args.time, args.min_iters))
             for impl in impls:
-                per_op = measure(peers, impl, op, nbytes, np.dtype(args.dtype), args.time, args.min_iters)
+                per_op = float(np.median(times[impl]))
                 moved = nbytes * n if op == "allgather" else nbytes
                 algbw = moved / per_op / 1e9
                 row[impl] = {"time_us": per_op * 1e6, "algbw_GBps": algbw,
-                             "busbw_GBps": algbw * bus_factor(op, n)}
+                             "busbw_GBps": algbw * bus_factor(op, n),
+                             "all_time_us": [t * 1e6 for t in times[impl]]}
             best = row.get("nbdist-raw") or row.get("nbdist")
             if best:
                 for peer in ("mpi4py", "gloo"):

@@ -71,6 +71,13 @@ Segment Segment::create(int nranks, size_t slot_bytes, int nsets) {
   };
   if (fchmod(fd, 0600) != 0) fail("fchmod");
   if (ftruncate(fd, static_cast<off_t>(total)) != 0) fail("ftruncate of the shm segment");
+  // Reserve the pages now: on a full tmpfs a later first touch would be a SIGBUS.
+  int rc = posix_fallocate(fd, 0, static_cast<off_t>(total));
+  if (rc != 0) {
+    errno = rc;
+    fail("reserving " + std::to_string(total >> 20) + " MiB in /dev/shm (is it too small? "
+         "NBDIST_SHM_SLOT_BYTES makes the segment smaller)");
+  }
   void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) fail("mmap of the shm segment");
   close(fd);

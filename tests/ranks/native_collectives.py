@@ -247,3 +247,35 @@ def test_close_then_use_is_a_clear_error():
     t.close()
     with pytest.raises(TransportError, match="closed"):
         t.allreduce(np.ones(2), ReduceOp.Sum)
+
+
+def test_no_room_in_dev_shm_falls_back_to_mpi(monkeypatch):
+    """A segment bigger than /dev/shm (a small container tmpfs) fails cleanly, on every rank."""
+    import warnings
+
+    from nbdist.common.config import Config
+    from nbdist.common.topology import Topology
+    from nbdist.common.transports.select import TransportSet
+
+    st = os.statvfs("/dev/shm")
+    # More than the whole tmpfs: the kernel refuses the reservation at once (no swap storm).
+    slot = (st.f_blocks * st.f_frsize) // (2 * SIZE) + (1 << 30)
+    monkeypatch.setenv("NBDIST_SHM_SLOT_BYTES", str(slot // 4096 * 4096))
+    monkeypatch.delenv("NBDIST_CPU_OPERATIONS", raising=False)
+    topology = Topology.from_mpi(COMM)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ts = TransportSet(Config.from_environment(), topology, should_stop=None)
+        assert ts.for_op("cpu", "allreduce").name == "mpi"
+        if RANK == 0:
+            assert any("shared memory unavailable" in str(w.message) and "/dev/shm" in str(w.message)
+                       for w in caught), [str(w.message) for w in caught]
+        ts.close()
+        monkeypatch.setenv("NBDIST_CPU_OPERATIONS", "shm")
+        with pytest.raises(RuntimeError, match="NBDIST_CPU_OPERATIONS=shm.*could not start"):
+            TransportSet(Config.from_environment(), topology, should_stop=None)
+    finally:
+        topology.free()
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"nbdist-{os.getuid()}-") and
+                os.stat("/dev/shm/" + f).st_size > slot]

@@ -12,6 +12,8 @@ on every rank.
 """
 from __future__ import annotations
 
+import warnings
+
 from ..transport import Transport
 from .mpi import MPITransport
 
@@ -42,13 +44,39 @@ class TransportSet:
         native_ok = native_module() is not None or topology.local_size == 1
         native_ok = bool(comm.allreduce(int(native_ok), op=MPI.MIN))
         self.cpu_mode = self._cpu_mode(config.cpu_operations, native_ok, topology.size)
-        if self.cpu_mode in ("shm", "hierarchical") and topology.local_size > 1:
-            self.shm = ShmTransport(topology.local_comm, topology.rank, config.timeout_s, should_stop)
+        if self.cpu_mode in ("shm", "hierarchical"):
+            self._init_shm(ShmTransport, config, topology, should_stop)
         if self.cpu_mode == "hierarchical":
             from .hierarchical import HierarchicalTransport
 
             self.hierarchical = HierarchicalTransport(topology, self.shm, config.timeout_s, should_stop)
         self._init_nccl(comm, config, should_stop)
+
+    def _init_shm(self, ShmTransport, config, topology, should_stop) -> None:
+        """Create the node's segment; if any node cannot, every rank falls back to MPI."""
+        from mpi4py import MPI
+
+        error = None
+        if topology.local_size > 1:
+            try:
+                self.shm = ShmTransport(topology.local_comm, topology.rank, config.timeout_s,
+                                        should_stop)
+            except Exception as exc:  # e.g. /dev/shm too small in a container
+                error = str(exc)
+        failed = topology.data_comm.allreduce(error is not None, op=MPI.LOR)
+        if not failed:
+            return
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
+        reasons = [e for e in topology.data_comm.allgather(error) if e]
+        if config.cpu_operations in ("shm", "hierarchical"):
+            raise RuntimeError(f"NBDIST_CPU_OPERATIONS={config.cpu_operations}, but the shared-memory "
+                               f"transport could not start: {reasons[0]}")
+        if topology.rank == 0:
+            warnings.warn(f"nbdist: shared memory unavailable ({reasons[0]}); CPU collectives use MPI",
+                          RuntimeWarning, stacklevel=2)
+        self.cpu_mode = "mpi"
 
     def _cpu_mode(self, requested: str, native_ok: bool, size: int) -> str:
         """'mpi', 'shm' or 'hierarchical', the same on every rank."""
