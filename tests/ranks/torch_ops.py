@@ -5,7 +5,6 @@ ranks deterministically, so it can compute the expected result itself.
 """
 import time
 
-import numpy as np
 import pytest
 import torch
 
