@@ -99,8 +99,8 @@ def inplace_staging(target: torch.Tensor) -> torch.Tensor:
 def to_tensor(result, like: torch.Tensor, shape=None) -> torch.Tensor:
     """A result buffer from nbdist.common as a tensor of `like`'s dtype and device (no copy on CPU).
 
-    `shape`, when given, is the shape the result must have: nbdist.common returns 0-d
-    inputs of allreduce/broadcast as shape (1,), so those are reshaped back (a view).
+    `shape`, when given, is the shape the result must have (a view reshapes it): early
+    nbdist.common returned 0-d allreduce/broadcast results as shape (1,).
     """
     out = _to_tensor(result, like)
     if shape is not None and tuple(out.shape) != tuple(shape):
