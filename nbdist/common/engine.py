@@ -317,10 +317,12 @@ class Engine:
                     req = self._local.get(resp.names[0])
                     if req is not None:
                         self._cache[resp.names[0]] = (resp.cache_id, req.signature)
-            done = [n for r in responses for n in r.names if n in self._local]
-            self.executor.run_unit(responses, self._local)
-            with self._cv:
-                self._names_in_flight.difference_update(n for n in done if n not in self._local)
+            self.executor.run_unit(responses, self._local, self._release_names)
+
+    def _release_names(self, names: list[str]) -> None:
+        """These ops are about to complete: their names may be submitted again."""
+        with self._cv:
+            self._names_in_flight.difference_update(names)
 
     def _fail_all(self, error: BaseException) -> None:
         """Fail every op this rank has queued or in flight."""

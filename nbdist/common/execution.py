@@ -65,18 +65,24 @@ class Executor:
         return ReduceOp.Sum if op == ReduceOp.Average else ReduceOp(op)
 
     # -- entry point -------------------------------------------------------------------
-    def run_unit(self, unit: list[Response], local: dict[str, Request]) -> None:
-        """Run one unit; complete (or fail) the local requests it names, removing them."""
+    def run_unit(self, unit: list[Response], local: dict[str, Request],
+                 release: Callable[[list[str]], None]) -> None:
+        """Run one unit; complete (or fail) the local requests it names, removing them.
+
+        `release(names)` runs before any handle completes, so a caller woken by its
+        handle may submit the same name again at once (the next training step).
+        """
         first = unit[0]
         if first.error is not None:
-            for resp in unit:
-                if resp.targets is None or self.rank in resp.targets:
-                    for name in resp.names:
-                        req = local.pop(name, None)
-                        if req is not None:
-                            req.handle.set_error(make_error(resp.error))
+            failed = [(local.pop(name), resp) for resp in unit
+                      if resp.targets is None or self.rank in resp.targets
+                      for name in resp.names if name in local]
+            release([req.name for req, _ in failed])
+            for req, resp in failed:
+                req.handle.set_error(make_error(resp.error))
             return
         reqs = [local.pop(resp.names[0], None) for resp in unit]
+        release([req.name for req in reqs if req is not None])
         self.stats["units"] += 1
         if first.kind == ALLREDUCE:
             self.stats["allreduce_ops"] += len(unit)

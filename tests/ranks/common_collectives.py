@@ -200,6 +200,20 @@ def test_different_submission_orders():
     assert [0] in values and [float(SIZE)] in values and list(range(SIZE)) in values
 
 
+def test_same_name_again_right_after_synchronize():
+    """The next training step reuses the gradient's name the moment the last one is done."""
+    import sys
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # make thread switches (and the race) as likely as possible
+    try:
+        a = np.ones(8)
+        for _ in range(1000):
+            hvd.synchronize(hvd.allreduce_async_(a, op=hvd.Max, name="grad.w"))
+    finally:
+        sys.setswitchinterval(old)
+
+
 def test_hundreds_of_small_ops_fused():
     engine = hvd.basics.engine()
     before = dict(engine.executor.stats)

@@ -86,7 +86,8 @@ class ShmTransport(Transport):
         # Spinning only pays when every rank has a core; otherwise yield soon.
         spin = _env_int("NBDIST_SHM_SPIN", 100 if oversubscribed else 1000)
         yields = _env_int("NBDIST_SHM_YIELDS", 50 if oversubscribed else 200)
-        self._native.set_tuning(spin, yields, _env_int("NBDIST_SHM_SMALL_BYTES", 64 * 1024))
+        self._native.set_tuning(spin, yields, _env_int("NBDIST_SHM_SMALL_BYTES", 64 * 1024),
+                                _env_int("NBDIST_SHM_STREAM_BYTES", 0))
 
     def _open(self, native, slot_bytes: int, nsets: int):
         """Create (local rank 0) or attach to the node's segment; collective over local_comm."""
