@@ -8,7 +8,6 @@ differentiable, with the gradients Horovod defines.
 """
 from __future__ import annotations
 
-import time
 import warnings
 from typing import Callable, Sequence
 
@@ -58,7 +57,6 @@ class Handle:
             result = _c.synchronize(self.inner)
         finally:
             self._keep = ()
-            _wait_name_released(self.inner)
         self._output = self._finish(result)
         self._state = "done"
         self._finish = None
@@ -66,25 +64,6 @@ class Handle:
 
     def __repr__(self) -> str:
         return f"<nbdist.torch Handle {getattr(self.inner, 'name', '?')!r} {self._state}>"
-
-
-def _wait_name_released(inner) -> None:
-    """Work around a race in nbdist.common (reported): the engine completes a handle
-    before it drops the op's name from its in-flight set, so re-submitting the same
-    name right away (the next training step's gradient) can be refused as "submitted
-    twice while in flight". Wait, briefly, until the engine has let the name go.
-    """
-    from nbdist.common import basics
-    try:
-        in_flight = getattr(basics.engine(), "_names_in_flight", None)
-    except Exception:  # noqa: BLE001 - shut down meanwhile: nothing to wait for
-        return
-    name = getattr(inner, "name", None)
-    if in_flight is None or name is None:
-        return
-    deadline = time.monotonic() + 0.1
-    while name in in_flight and time.monotonic() < deadline:
-        time.sleep(0)  # hand the GIL to the engine thread
 
 
 def poll(handle) -> bool:
