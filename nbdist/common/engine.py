@@ -35,9 +35,9 @@ COORDINATOR = 0
 
 
 class Backoff:
-    """Sleep schedule for polling: spin ~50 µs, then sleeps from 20 µs growing 1.5× to a cap.
+    """Sleep schedule for polling: spin ~50 µs, then sleeps from 20 µs growing 1.5x to a cap.
 
-    The cap is 1 ms for the first 200 ms of waiting, then 10 ms: quick answers stay
+    The cap is 250 µs for the first 200 ms of waiting, then 10 ms: quick answers stay
     quick, and a long wait (a slow peer) costs almost no CPU.
     """
 
@@ -52,7 +52,7 @@ class Backoff:
         waited = time.monotonic() - self.since
         if waited < 50e-6:
             return 0.0
-        cap = 1e-3 if waited < 0.2 else 10e-3
+        cap = 250e-6 if waited < 0.2 else 10e-3
         self.delay = min(cap, max(20e-6, self.delay * 1.5))
         return self.delay
 
