@@ -3,31 +3,7 @@ from __future__ import annotations
 
 import torch
 
-
-class Compressor:
-    """Turns a tensor into what is sent (compress) and back (decompress)."""
-
-    @staticmethod
-    def compress(tensor: torch.Tensor):
-        """Returns (tensor to send, context that decompress needs)."""
-        raise NotImplementedError
-
-    @staticmethod
-    def decompress(tensor: torch.Tensor, ctx):
-        """Returns the tensor in its original form."""
-        raise NotImplementedError
-
-
-class NoneCompressor(Compressor):
-    """Sends tensors as they are."""
-
-    @staticmethod
-    def compress(tensor):
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor
+from nbdist.common.compression import Compressor, NoneCompressor
 
 
 class FP16Compressor(Compressor):

@@ -14,18 +14,12 @@ from typing import Callable, Sequence
 import torch
 
 from nbdist import common as _c
-from nbdist.common.ops_base import ReduceOp
+from nbdist.common.ops_base import Adasum, Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401 (re-exported)
 
 from . import tensor_util as _tu
 from .compression import Compression
 from .process_sets import check_process_set, global_process_set
 
-Average = ReduceOp.Average
-Sum = ReduceOp.Sum
-Adasum = ReduceOp.Adasum
-Min = ReduceOp.Min
-Max = ReduceOp.Max
-Product = ReduceOp.Product
 
 _ADASUM_MESSAGE = ("op=Adasum is not implemented in nbdist yet; use op=hvd.Average "
                    "(the default) or op=hvd.Sum")
