@@ -55,6 +55,7 @@ def parse_args(argv):
     p.add_argument("--min-iters", type=int, default=3)
     p.add_argument("--json", dest="json_file", help="write the rows to this JSON file")
     p.add_argument("--plot", dest="plot_file", help="draw busbw against size to this image (matplotlib)")
+    p.add_argument("--markdown", dest="markdown_file", help="write the tables as Markdown to this file")
     return p.parse_args(argv)
 
 
@@ -240,6 +241,11 @@ def run(argv) -> int:
                         row[f"busbw_vs_{peer}"] = best["busbw_GBps"] / row[peer]["busbw_GBps"]
                         row[f"time_vs_{peer}"] = best["time_us"] / row[peer]["time_us"]
                 row["busbw_pct_memcpy"] = 100 * best["busbw_GBps"] / (memcpy / 1e9)
+            if "nbdist" in row:  # the same ratios through the engine (its overhead included)
+                for peer in ("mpi4py", "gloo"):
+                    if peer in row:
+                        row[f"engine_busbw_vs_{peer}"] = row["nbdist"]["busbw_GBps"] / row[peer]["busbw_GBps"]
+                        row[f"engine_time_vs_{peer}"] = row["nbdist"]["time_us"] / row[peer]["time_us"]
             rows.append(row)
             if rank == 0:
                 cells = "".join(f"| {row[i]['time_us']:>14.1f} us {row[i]['algbw_GBps']:>6.2f} "
@@ -255,7 +261,31 @@ def run(argv) -> int:
                 json.dump({"ranks": n, "memcpy_GBps": memcpy / 1e9, "rows": rows}, f, indent=1)
         if args.plot_file:
             plot(rows, impls, n, args.plot_file)
+        if args.markdown_file:
+            with open(args.markdown_file, "w") as f:
+                f.write(markdown(rows, impls, n, memcpy))
     return 0
+
+
+def markdown(rows, impls, n, memcpy) -> str:
+    """The rows as Markdown tables (time per op and busbw per implementation, and the ratios)."""
+    out = [f"{n} ranks, single-core memcpy {memcpy / 1e9:.2f} GB/s; busbw in GB/s; "
+           "raw = the transport alone, engine = through nbdist.common\n"]
+    for op in [o for o in OPS if any(r["op"] == o for r in rows)]:
+        head = "| " + op + " | " + " | ".join(f"{i} time | {i} busbw" for i in impls)
+        head += (" | raw busbw vs mpi4py | raw busbw vs gloo | raw time vs gloo | raw % of memcpy"
+                 " | engine busbw vs mpi4py | engine busbw vs gloo | engine time vs gloo |")
+        out += [head, "|" + "---|" * (head.count("|") - 1)]
+        for r in (r for r in rows if r["op"] == op):
+            cells = " | ".join(f"{r[i]['time_us']:.1f} µs | {r[i]['busbw_GBps']:.2f}" for i in impls)
+            ratios = " | ".join(f"{r[k]:.2f}×" if k in r else "-"
+                                for k in ("busbw_vs_mpi4py", "busbw_vs_gloo", "time_vs_gloo"))
+            pct = f"{r['busbw_pct_memcpy']:.0f} %" if "busbw_pct_memcpy" in r else "-"
+            engine = " | ".join(f"{r[k]:.2f}×" if k in r else "-" for k in
+                                ("engine_busbw_vs_mpi4py", "engine_busbw_vs_gloo", "engine_time_vs_gloo"))
+            out.append(f"| {human(r['bytes'])} | {cells} | {ratios} | {pct} | {engine} |")
+        out.append("")
+    return "\n".join(out)
 
 
 def plot(rows, impls, n, path) -> None:

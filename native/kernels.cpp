@@ -9,6 +9,7 @@ namespace {
 
 struct Table {
   ReduceFn fn[kNumDTypes][kNumOps] = {};
+  CopyFn copy = &isa_baseline::stream_copy;
   const char* isa = "baseline";
   Table() {
 #if defined(NBDIST_HAVE_AVX2)
@@ -18,6 +19,7 @@ struct Table {
     __builtin_cpu_init();
     if (!baseline_only && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) {
       isa_avx2::fill(fn);
+      copy = &isa_avx2::stream_copy;
       isa = "avx2";
       return;
     }
@@ -56,5 +58,7 @@ ReduceFn reduce_kernel(int dtype, int op) {
 }
 
 const char* kernel_isa() { return table().isa; }
+
+CopyFn stream_copy() { return table().copy; }
 
 }  // namespace nbdist

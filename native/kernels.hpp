@@ -32,8 +32,20 @@ ReduceFn reduce_kernel(int dtype, int op);
 // Which compiled variant was selected ("avx2", "baseline").
 const char* kernel_isa();
 
+// memcpy with non-temporal stores (where the CPU variant has them, else memcpy):
+// for destinations far bigger than the caches, it skips the read-for-ownership
+// of every destination line. Callers must fence (post() does) before others read.
+using CopyFn = void (*)(void* dst, const void* src, size_t bytes);
+CopyFn stream_copy();
+
 // Per-variant tables, filled by each compiled copy of kernels_impl.inc.
-namespace isa_baseline { void fill(ReduceFn table[kNumDTypes][kNumOps]); }
-namespace isa_avx2 { void fill(ReduceFn table[kNumDTypes][kNumOps]); }
+namespace isa_baseline {
+void fill(ReduceFn table[kNumDTypes][kNumOps]);
+void stream_copy(void* dst, const void* src, size_t bytes);
+}
+namespace isa_avx2 {
+void fill(ReduceFn table[kNumDTypes][kNumOps]);
+void stream_copy(void* dst, const void* src, size_t bytes);
+}
 
 }  // namespace nbdist

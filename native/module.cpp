@@ -103,9 +103,10 @@ void bind_shm(py::module_& m) {
       .def("unlink", [](PyShm& s) { s.comm().unlink(); })
       .def("close", &PyShm::close)
       .def("set_tuning",
-           [](PyShm& s, int spin, int yields, size_t small_bytes) {
+           [](PyShm& s, int spin, int yields, size_t small_bytes, size_t stream_bytes) {
              s.comm().set_spin(spin, yields);
              s.comm().set_small_bytes(small_bytes);
+             s.comm().set_stream_bytes(stream_bytes ? stream_bytes : SIZE_MAX);
            })
       .def("abort", [](PyShm& s, const std::string& reason) { s.comm().abort(reason); },
            py::call_guard<py::gil_scoped_release>())

@@ -110,6 +110,9 @@ void ShmComm::reduce_chunked(char* buf, size_t count, int dtype, int op, int roo
   ReduceFn fn = reduce_kernel(dtype, op);
   const size_t item = dtype_size(dtype);
   const size_t chunk = slot_bytes_ / item;
+  // A buffer far bigger than the caches is written back with streaming stores.
+  CopyFn plain = [](void* d, const void* s, size_t b) { std::memcpy(d, s, b); };
+  CopyFn copy_out = count * item >= stream_bytes_ ? stream_copy() : plain;
   const size_t line = 64 / item;  // slices start on cache lines: no false sharing
   std::vector<const void*> srcs(n_);
   for (size_t off = 0; off < count; off += chunk) {
@@ -143,7 +146,7 @@ void ShmComm::reduce_chunked(char* buf, size_t count, int dtype, int op, int roo
       wait_all(reduced, ctx);
       for (int q = 0; q < n_; ++q) {
         const size_t qlo = std::min(c, q * slice), qhi = std::min(c, qlo + slice);
-        if (q != rank_ && qhi > qlo) std::memcpy(src + qlo * item, seg_.slot(s, q) + qlo * item, (qhi - qlo) * item);
+        if (q != rank_ && qhi > qlo) copy_out(src + qlo * item, seg_.slot(s, q) + qlo * item, (qhi - qlo) * item);
       }
     }
     uint64_t read = next_phase();

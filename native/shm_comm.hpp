@@ -15,6 +15,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <cstdint>
 #include <functional>
 #include <stdexcept>
 #include <string>
@@ -76,6 +77,7 @@ class ShmComm {
   // Tuning (set from Python before the first op).
   void set_spin(int spin_iters, int yield_iters) { spin_iters_ = spin_iters; yield_iters_ = yield_iters; }
   void set_small_bytes(size_t b) { small_bytes_ = b; }
+  void set_stream_bytes(size_t b) { stream_bytes_ = b; }
 
  private:
   uint64_t next_phase() { return ++gen_; }
@@ -103,6 +105,7 @@ class ShmComm {
   int spin_iters_ = 2000;
   int yield_iters_ = 200;
   size_t small_bytes_ = 64 * 1024;
+  size_t stream_bytes_ = SIZE_MAX;  // allreduces of at least this many bytes stream their output
 };
 
 }  // namespace nbdist

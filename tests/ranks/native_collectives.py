@@ -279,3 +279,18 @@ def test_no_room_in_dev_shm_falls_back_to_mpi(monkeypatch):
         topology.free()
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"nbdist-{os.getuid()}-") and
                 os.stat("/dev/shm/" + f).st_size > slot]
+
+
+def test_streaming_copy_out_gives_the_same_result(monkeypatch):
+    """NBDIST_SHM_STREAM_BYTES: big allreduces write back with non-temporal stores."""
+    monkeypatch.setenv("NBDIST_SHM_STREAM_BYTES", "1")
+    t = ShmTransport(COMM, RANK, timeout_s=60, slot_bytes=64 * 1024)
+    try:
+        for n in (70_001, 1_000_003):
+            whole = np.zeros(n + 1, np.float32)
+            buf = whole[1:]  # not 32-byte aligned: the streaming copy's unaligned head
+            buf[...] = contribution(RANK, n, np.float32, ReduceOp.Sum)
+            t.allreduce(buf, ReduceOp.Sum)
+            same(buf, reference(n, np.float32, ReduceOp.Sum))
+    finally:
+        t.close()
