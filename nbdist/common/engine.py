@@ -32,6 +32,23 @@ from .requests import Request, Response
 TAG_TO_COORDINATOR = 11
 TAG_FROM_COORDINATOR = 12
 COORDINATOR = 0
+STALL_CHECK_INTERVAL_S = 0.05  # rank 0 looks for stalled ops at most this often
+
+
+def _fine_timer_slack() -> None:
+    """Ask Linux to time this thread's short sleeps to the microsecond.
+
+    A thread's default timer slack (50 µs) stretches each sleep of the backoff by up
+    to that much: most of a negotiation round's latency. Best effort; elsewhere a no-op.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(29, 1, 0, 0, 0)  # PR_SET_TIMERSLACK, 1 ns
+    except Exception:
+        pass
 
 
 class Backoff:
@@ -75,10 +92,12 @@ class Engine:
         self._cache: dict[str, tuple[int, tuple]] = {}  # name -> (cache id, my signature)
         self._templates: dict[int, Response] = {}
         self._sends: list = []
+        self._probe = None  # (built on first use) the next control message, or None
         self._stopping = False
         self._broken: str | None = None
         self._abort_sent = False  # keep polling until rank 0's abort comes back
         self._last_alive_check = 0.0
+        self._last_stall_check = 0.0
         self.auto_name_counter = 0
         self.last_response_at = 0.0
         self.coordinator = (Coordinator(self.size, config.fusion_threshold, config.cache_capacity,
@@ -142,6 +161,7 @@ class Engine:
 
     def _run(self) -> None:
         backoff = Backoff()
+        _fine_timer_slack()
         try:
             while True:
                 with self._cv:
@@ -179,7 +199,8 @@ class Engine:
     def _cycle(self, new: list[Request], control: list[tuple]) -> bool:
         """One pass: take in messages, send requests, run what is agreed. True if it did work."""
         worked = self._drain_incoming()  # first, so an abort from rank 0 is seen before sending
-        self._sends = [s for s in self._sends if not s.Test()]
+        if self._sends:
+            self._sends = [s for s in self._sends if not s.Test()]
         if new:  # before control items: a poison must find the op it names
             worked = True
             self._send_requests(new)
@@ -240,21 +261,31 @@ class Engine:
     def _drain_incoming(self) -> bool:
         if self.size == 1:
             return False
-        from mpi4py import MPI
+        probe = self._probe
+        if probe is None:
+            from mpi4py import MPI
 
-        worked = False
-        is_coordinator = self.coordinator is not None
-        tag = TAG_TO_COORDINATOR if is_coordinator else TAG_FROM_COORDINATOR
-        source = MPI.ANY_SOURCE if is_coordinator else COORDINATOR
-        status = MPI.Status()
-        while self.comm.Iprobe(source=source, tag=tag, status=status):
-            message = self.comm.recv(source=status.Get_source(), tag=tag)
-            worked = True
-            if is_coordinator:
-                self._on_message(message)
+            status = MPI.Status()
+            if self.coordinator is not None:
+                source, tag = MPI.ANY_SOURCE, TAG_TO_COORDINATOR
             else:
-                self._on_broadcast(message)
-        return worked
+                source, tag = COORDINATOR, TAG_FROM_COORDINATOR
+            comm = self.comm
+
+            def probe():
+                if not comm.Iprobe(source=source, tag=tag, status=status):
+                    return None
+                return comm.recv(source=status.Get_source(), tag=tag)
+
+            self._probe = probe
+        handle = self._on_message if self.coordinator is not None else self._on_broadcast
+        worked = False
+        while True:
+            message = probe()
+            if message is None:
+                return worked
+            worked = True
+            handle(message)
 
     # -- rank 0: the coordinator ------------------------------------------------------------
     def _on_message(self, message: tuple) -> None:
@@ -280,13 +311,16 @@ class Engine:
 
     def _coordinate(self) -> bool:
         coord = self.coordinator
-        failed = coord.check_stalls()
+        failed = None
+        now = time.monotonic()
+        if now - self._last_stall_check >= STALL_CHECK_INTERVAL_S:
+            self._last_stall_check = now
+            failed = coord.check_stalls()
         if failed:
             self._broadcast(("units", coord.epoch, [[r] for r in failed]))
         if not coord.has_ready():
             return bool(failed)
         # Let a burst (a backward pass) gather for fusion, up to one cycle.
-        now = time.monotonic()
         if (coord.partially_submitted()
                 and now - self.last_response_at < self.config.cycle_time_ms / 1000.0):
             return bool(failed)
@@ -309,14 +343,19 @@ class Engine:
             self._abort_sent = False
             self.epoch = epoch  # last: abort() returns once it sees this
             return
+        templates = self._templates
         for unit in message[2]:
-            responses = [self._templates[e] if isinstance(e, int) else e for e in unit]
-            for resp in responses:
-                if resp.cache_id >= 0 and resp.error is None:
-                    self._templates[resp.cache_id] = resp
-                    req = self._local.get(resp.names[0])
+            responses = []
+            for e in unit:
+                if e.__class__ is int:  # a cached response: known here already
+                    responses.append(templates[e])
+                    continue
+                responses.append(e)
+                if e.cache_id >= 0 and e.error is None:
+                    templates[e.cache_id] = e
+                    req = self._local.get(e.names[0])
                     if req is not None:
-                        self._cache[resp.names[0]] = (resp.cache_id, req.signature)
+                        self._cache[e.names[0]] = (e.cache_id, req.signature)
             self.executor.run_unit(responses, self._local, self._release_names)
 
     def _release_names(self, names: list[str]) -> None:

@@ -10,7 +10,6 @@ which makes the steady state of training (the same names every step) cheap.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 from .requests import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN,
@@ -48,21 +47,41 @@ def describe_by_rank(values: dict[int, object]) -> str:
     return "; ".join(f"{rank_list(rs)}: {v}" for v, rs in groups.items())
 
 
-@dataclass
 class _Pending:
-    name: str
-    first_seen: float
-    sigs: dict[int, tuple] = field(default_factory=dict)
-    cids: dict[int, int] = field(default_factory=dict)
-    named: bool = True
-    warned: bool = False
+    """One op the coordinator has heard of from some ranks (a plain slotted class: one per op
+    per step, on the hot path)."""
+
+    __slots__ = ("name", "first_seen", "sigs", "cids", "named", "warned", "is_ready")
+
+    def __init__(self, name: str, first_seen: float, named: bool = True):
+        self.name = name
+        self.first_seen = first_seen
+        self.sigs: dict[int, tuple] = {}
+        self.cids: dict[int, int] = {}
+        self.named = named
+        self.warned = False
+        self.is_ready = False  # in Coordinator.ready
 
 
-@dataclass
 class _CacheEntry:
-    name: str
-    sigs: dict[int, tuple]
-    response: Response
+    """A cached response, with what fusion needs of it worked out once."""
+
+    __slots__ = ("name", "sigs", "response", "fuse_key", "nbytes")
+
+    def __init__(self, name: str, sigs: dict[int, tuple], response: Response):
+        self.name = name
+        self.sigs = sigs
+        self.response = response
+        self.fuse_key = _fuse_key(response)
+        self.nbytes = response.nbytes() if self.fuse_key is not None else 0
+
+
+def _fuse_key(resp: Response):
+    """What allreduces must share to be fused into one buffer; None: this one runs alone."""
+    if (resp.kind != ALLREDUCE or resp.error is not None or resp.joined
+            or resp.device != "cpu"):  # GPU buffers are not fused (yet)
+        return None
+    return (resp.dtype, resp.op, resp.prescale, resp.postscale, resp.device)
 
 
 def _mismatch(name: str, kind: str, what: str, values: dict[int, object]) -> tuple:
@@ -97,32 +116,40 @@ class Coordinator:
 
         Returns error responses that must go out at once (an op already failed).
         """
-        if isinstance(item, int):
+        if item.__class__ is int:
             entry = self.cache_by_id[item]
             name, sig, named, cid = entry.name, entry.sigs[rank], True, item
         else:
             name, sig, named = item
             cid = -1
-        tomb = self.tombstones.get(name)
-        if tomb is not None and rank in tomb[1]:
-            tomb[1].discard(rank)
-            if not tomb[1]:
-                del self.tombstones[name]
-            return [Response(kind=sig[SIG_KIND], names=[name], error=tomb[0], targets=(rank,))]
+        if self.tombstones:
+            tomb = self.tombstones.get(name)
+            if tomb is not None and rank in tomb[1]:
+                tomb[1].discard(rank)
+                if not tomb[1]:
+                    del self.tombstones[name]
+                return [Response(kind=sig[SIG_KIND], names=[name], error=tomb[0],
+                                 targets=(rank,))]
         pending = self.pending.get(name)
         if pending is None:
-            pending = self.pending[name] = _Pending(name, self.clock(), named=named)
-        if rank in pending.sigs:  # the engine rejects local duplicates; this is a late one
+            pending = self.pending[name] = _Pending(name, self.clock(), named)
+        sigs = pending.sigs
+        if rank in sigs:  # the engine rejects local duplicates; this is a late one
             return [Response(kind=sig[SIG_KIND], names=[name], targets=(rank,), error=(
                 "ValueError", f"{sig[SIG_KIND]} '{name}' was submitted twice by rank {rank} "
                 "while in flight; give each in-flight op its own name"))]
-        pending.sigs[rank] = sig
-        pending.named = pending.named and named
+        sigs[rank] = sig
+        if not named:
+            pending.named = False
         if cid >= 0:
             pending.cids[rank] = cid
         if sig[SIG_KIND] == JOIN:
             self.joined.append(rank)
             self._recheck_all()
+        elif not self.joined:
+            if len(sigs) == self.size and not pending.is_ready:  # common case: no sets built
+                pending.is_ready = True
+                self.ready.append(name)
         else:
             self._check_ready(pending)
         return []
@@ -131,7 +158,7 @@ class Coordinator:
         """Fail `name` on every rank: those that submitted it now, the others when they do."""
         pending = self.pending.pop(name, None)
         error = ("ValueError", message)
-        if name in self.ready:
+        if pending is not None and pending.is_ready:
             self.ready.remove(name)
         submitted = set(pending.sigs) if pending else set()
         submitted.add(rank)
@@ -155,7 +182,8 @@ class Coordinator:
         return len(pending.sigs.keys() | set(self.joined)) == self.size
 
     def _check_ready(self, pending: _Pending) -> None:
-        if pending.name not in self.ready and self._covered(pending):
+        if not pending.is_ready and self._covered(pending):
+            pending.is_ready = True
             self.ready.append(pending.name)
 
     def _recheck_all(self) -> None:
@@ -191,23 +219,27 @@ class Coordinator:
 
     def _fuse(self, elements: list) -> list[list]:
         units: list[list] = []
-        open_units: dict[tuple, tuple[list, int]] = {}
+        open_units: dict[tuple, list] = {}  # key -> [unit, bytes used]
+        threshold = self.fusion_threshold
+        cache_by_id = self.cache_by_id
         for element in elements:
-            resp = self._response_of(element)
-            if (resp.kind != ALLREDUCE or resp.error is not None or resp.joined
-                    or resp.device != "cpu"):  # GPU buffers are not fused (yet)
+            if element.__class__ is int:
+                entry = cache_by_id[element]
+                key, nbytes = entry.fuse_key, entry.nbytes
+            else:
+                key = _fuse_key(element)
+                nbytes = element.nbytes() if key is not None else 0
+            if key is None:
                 units.append([element])
                 continue
-            key = (resp.dtype, resp.op, resp.prescale, resp.postscale, resp.device)
-            nbytes = resp.nbytes()
-            unit, used = open_units.get(key, (None, 0))
-            if unit is not None and used + nbytes <= self.fusion_threshold:
-                unit.append(element)
-                open_units[key] = (unit, used + nbytes)
+            slot = open_units.get(key)
+            if slot is not None and slot[1] + nbytes <= threshold:
+                slot[0].append(element)
+                slot[1] += nbytes
             else:
                 unit = [element]
                 units.append(unit)
-                open_units[key] = (unit, nbytes)
+                open_units[key] = [unit, nbytes]
         return units
 
     def _respond(self, pending: _Pending):
@@ -293,7 +325,7 @@ class Coordinator:
         failed: list[Response] = []
         everyone = set(range(self.size))
         for name, pending in list(self.pending.items()):
-            if name in self.ready:
+            if pending.is_ready:
                 continue
             age = now - pending.first_seen
             submitted = set(pending.sigs)
