@@ -30,6 +30,11 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `nbdist` console script."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # its options (-n, --sizes ...) belong to the benchmark's parser
+        from .bench import main as bench_main
+
+        return bench_main(argv[1:])
     args = _build_parser().parse_args(argv)
     if args.command == "run":
         from .launch import run_script
