@@ -105,6 +105,8 @@ def _submit_gpu(kind: str, obj, name: str | None, what: str, **sig) -> Handle:
 
 
 def _check_op(op, what: str, dtype: np.dtype) -> ReduceOp:
+    if op.__class__ is ReduceOp and op != ReduceOp.Adasum and dtype != np.bool_:
+        return op  # the common case, without the enum's constructor
     try:
         op = ReduceOp(op)
     except ValueError:

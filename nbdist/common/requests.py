@@ -96,8 +96,15 @@ def signature(kind: str, array: np.ndarray | None, op: int = 0, prescale: float 
     """The tuple every rank sends for an op; the coordinator compares these."""
     if array is None:
         return (kind, None, None, op, prescale, postscale, root, device, splits)
-    return (kind, array.dtype.name, tuple(array.shape), int(op), float(prescale),
+    dtype = array.dtype
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:  # numpy computes dtype.name in Python: once per dtype is enough
+        name = _DTYPE_NAMES[dtype] = dtype.name
+    return (kind, name, tuple(array.shape), int(op), float(prescale),
             float(postscale), int(root), device, splits)
+
+
+_DTYPE_NAMES: dict = {}
 
 
 # Field positions in a signature tuple.
