@@ -146,15 +146,35 @@ def describe() -> dict:
         except Exception:
             initialized = False
         if initialized:
-            transports = ", ".join(
-                name for name, query in (("mpi", "mpi_enabled"), ("nccl", "nccl_built"))
-                if getattr(common, query, lambda: False)())
+            transports = _transports_in_use(common)
     return {
         "rank": rank, "size": size, "host": socket.gethostname(), "pid": os.getpid(),
         "local_rank": _local_rank(), "gpus": _gpu_count(),
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "runtime": "initialized" if initialized else "not initialized", "transports": transports,
     }
+
+
+def _transports_in_use(common) -> str:
+    """What the runtime's transport set picked for each op, e.g. 'cpu: shm; gpu: nccl'.
+
+    The Horovod-style flags (mpi_enabled, nccl_built) say what is built, not what the
+    ops use: with the shared-memory transport on one node, MPI only carries control.
+    """
+    try:
+        desc = common.basics.engine().transports.describe()
+    except Exception as exc:  # an older or broken runtime: say so rather than guess
+        return f"unknown ({type(exc).__name__})"
+    by_transport: dict[str, list[str]] = {}
+    for kind, name in (desc.get("cpu") or {}).items():
+        by_transport.setdefault(name, []).append(kind)
+    if len(by_transport) == 1:
+        cpu = next(iter(by_transport))
+    else:
+        cpu = ", ".join(f"{name} ({'/'.join(kinds)})" for name, kinds in by_transport.items())
+    gpu = desc.get("gpu") or ""
+    gpu = "none" if gpu.startswith("unavailable") else gpu
+    return f"cpu: {cpu or '?'}; gpu: {gpu or 'none'}"
 
 
 def pin_gpu() -> str:

@@ -28,6 +28,7 @@ from . import _watchdog
 
 MAX_RANKS = 1024  # far beyond one notebook's reach; an absurd -n fails before anything starts
 START_TIMEOUT_S = 120
+EXIT_REPORT_GRACE_S = 1.0  # after mpiexec exited, how long its exit-code report may take to show
 
 
 class ClusterError(RuntimeError):
@@ -116,6 +117,9 @@ class DistCluster:
         self._profile_dir: str | None = None
         self._started_at = 0.0
         self._watchdog: subprocess.Popen | None = None
+        # Our own handles on mpiexec's output files: ipyparallel deletes a file the moment
+        # it sees mpiexec exit, and an open handle still reads a deleted file.
+        self._output_handles: list = []
         self._atexit_registered = False
         self.last_start_s: float | None = None
 
@@ -229,6 +233,7 @@ class DistCluster:
         try:
             self.cluster.start_controller_sync()
             self.cluster.start_engines_sync(n, environment=engine_env)
+            self._open_output_files()
             self._start_watchdog()
             self.client = self.cluster.connect_client_sync()
             self._wait_for_engines(n)
@@ -287,29 +292,89 @@ class DistCluster:
         self._atexit_registered = True
         atexit.register(self.stop, quiet=True)
 
-    def engine_output(self) -> str:
-        """mpiexec's combined output (engine logs, MPI's termination report)."""
-        parts = []
+    def _open_output_files(self) -> None:
+        """Hold mpiexec's output files open, so their text outlives ipyparallel's clean-up."""
+        self._close_output_files()
         for es in self._engine_sets():
+            path = getattr(es, "output_file", "")
             try:
-                es._output = None  # re-read the file: ipyparallel caches the first read
+                self._output_handles.append(open(path, "rb") if path else None)
+            except OSError:  # not a local file (ssh, batch systems): ask the launcher
+                self._output_handles.append(None)
+
+    def _close_output_files(self) -> None:
+        for handle in self._output_handles:
+            if handle is not None:
+                try:
+                    handle.close()
+                except OSError:
+                    pass
+        self._output_handles = []
+
+    def engine_output(self) -> str:
+        """mpiexec's combined output (engine logs, MPI's termination report), read afresh."""
+        parts = []
+        for i, es in enumerate(self._engine_sets()):
+            handle = self._output_handles[i] if i < len(self._output_handles) else None
+            if handle is not None:
+                try:
+                    handle.seek(0)
+                    parts.append(handle.read().decode("utf-8", "replace"))
+                    continue
+                except (OSError, ValueError):
+                    pass
+            try:
+                # ipyparallel caches its first read, and removes the file once mpiexec exits
+                # (keeping that last read): re-read only while the file is still there.
+                path = getattr(es, "output_file", "")
+                if path and os.path.isfile(path):
+                    es._output = None
                 parts.append(es.get_output())
             except Exception:
                 pass
         return "\n".join(parts)
 
-    def exit_statuses(self, wait_s: float = 5.0) -> dict[int, int]:
-        """After a death: wait for mpiexec to finish and return each rank's wait status."""
-        deadline = time.monotonic() + wait_s
+    def _mpiexec_exited(self) -> bool:
         for proc in self._mpiexec_procs():
             try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except (psutil.TimeoutExpired, psutil.Error):
+                if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                    return False
+            except psutil.Error:
                 pass
+        return True
+
+    def exit_statuses(self, wait_s: float = 5.0) -> dict[int, int]:
+        """After a death: wait (at most wait_s) for mpiexec's exit-code report; each rank's wait status.
+
+        mpiexec prints the report just before it exits; ranks it reports for are
+        returned as soon as every rank has one, else whatever the report holds at the
+        deadline (possibly nothing).
+        """
+        deadline = time.monotonic() + wait_s
         by_host: dict[str, list[int]] = {}
         for rank in sorted(self.ranks):
             by_host.setdefault(self.ranks[rank].host, []).append(rank)
-        return parse_exit_codes(self.engine_output(), by_host)
+        n = len(self.ranks) or (self.n or 0)
+        exited_at = None
+        while True:
+            if exited_at is None and self._mpiexec_exited():
+                exited_at = time.monotonic()
+            statuses = parse_exit_codes(self.engine_output(), by_host)
+            if n and len(statuses) >= n:
+                return statuses
+            now = time.monotonic()
+            # Once mpiexec is gone its report is all there is (a partial one: several engine
+            # sets or hosts); a moment's grace for the file, then give up rather than hang.
+            if now >= deadline or (exited_at is not None and (statuses or now - exited_at > EXIT_REPORT_GRACE_S)):
+                return statuses
+            if exited_at is None:
+                for proc in self._mpiexec_procs():
+                    try:
+                        proc.wait(timeout=max(0.0, min(0.2, deadline - now)))
+                    except (psutil.TimeoutExpired, psutil.Error):
+                        pass
+            else:
+                time.sleep(min(0.1, max(0.0, deadline - now)))
 
     def stop(self, quiet: bool = False) -> bool:
         """Stop engines and controller, kill leftovers, remove segments and files. True if one ran."""
@@ -340,6 +405,7 @@ class DistCluster:
             if not quiet:
                 self._notify(f"ipyparallel could not stop the cluster cleanly ({exc!r}); killing it", "warning")
         _watchdog.kill_procs([p for p in tree if _watchdog._alive(p.pid)], grace_s=2.0)
+        self._close_output_files()
         _watchdog.remove_orphan_segments(self._started_at)
         if self._watchdog is not None:
             try:

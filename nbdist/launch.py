@@ -24,6 +24,8 @@ from .display import FailureReport, RankError
 
 TIMEOUT_EXIT = 124
 KILL_GRACE_S = 5.0
+PUMP_WAIT_S = 5.0  # after mpiexec exited, for the rest of its output to be read
+PUMP_EXTRA_WAIT_S = 10.0  # more, only while its exit-code report is still missing
 
 # hydra's own lines, which we replace by our summary.
 _HYDRA_NOISE = ("=====", "=   ", "YOUR APPLICATION TERMINATED", "This typically refers to a problem",
@@ -96,7 +98,10 @@ def run_script(script: str, args: list[str] | None = None, n: int = 1, timeout: 
     except KeyboardInterrupt:
         interrupted = True
         _stop(proc)
-    pump.join(5)
+    pump.join(PUMP_WAIT_S)
+    if pump.is_alive() and not any("Exit codes:" in line for line in list(captured)):
+        # A loaded machine: mpiexec's exit-code report may still sit in the pipe.
+        pump.join(PUMP_EXTRA_WAIT_S)
     # Ranks that MPI killed never unlinked their segments; remove the ones nobody maps.
     remove_orphan_segments(started)
     try:

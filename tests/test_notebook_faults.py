@@ -174,3 +174,37 @@ def test_nothing_left_after_kernel_shutdown(executed):
     assert fp and len(fp[0]["pids"]) >= n + 2, "the footprint cell must see the cluster's processes"
     assert h.alive(fp[0]["pids"]) == []
     assert h.shm_left(fp[0]["shm"]) == []
+
+
+def test_exit_statuses_outlive_ipyparallel_log_cleanup():
+    """A dead rank is named even when ipyparallel already removed mpiexec's log.
+
+    ipyparallel reads and deletes the engine set's output file as soon as it sees
+    mpiexec exit; on a loaded machine that happens before the cell reads the exit
+    codes. Here the read is made to come last on purpose (in an asyncio loop, as in
+    a kernel, where ipyparallel's clean-up runs on its own thread).
+    """
+    import asyncio
+    import os
+    import time
+
+    from nbdist.cluster import DistCluster, culprits
+
+    async def scenario():
+        cluster = DistCluster()
+        cluster.start(2)
+        try:
+            es = cluster._engine_sets()[0]
+            cluster.client[cluster.engine_ids].execute(
+                "import os, time\nfrom mpi4py import MPI\n"
+                "if MPI.COMM_WORLD.Get_rank() == 1:\n    os._exit(1)\ntime.sleep(60)", block=False)
+            deadline = time.monotonic() + 60
+            while (es.state != "after" or os.path.exists(es.output_file)) and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            assert not os.path.exists(es.output_file), "ipyparallel did not clean up mpiexec's log"
+            return cluster.exit_statuses(wait_s=5)
+        finally:
+            cluster.stop(quiet=True)
+
+    statuses = asyncio.run(scenario())
+    assert culprits(statuses) == {1: 1 << 8}, statuses

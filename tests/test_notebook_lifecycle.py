@@ -177,3 +177,18 @@ def test_engines_do_not_outlive_a_killed_kernel():
             km.shutdown_kernel(now=True)
         except Exception:
             pass
+
+
+def test_status_shows_the_transport_each_op_uses():
+    """On one node the CPU ops run on shared memory; the status must say so (not 'mpi')."""
+    nb = h.notebook(
+        "%load_ext nbdist",
+        "%%distributed -n 2\nimport nbdist.common as hvd\nhvd.init()",
+        "%dist_status",
+        "%dist_stop",
+    )
+    h.execute(nb, timeout=240)
+    for i in (1, 2):
+        assert h.error_of(nb.cells[i]) is None, h.text_of(nb.cells[i])
+    status = h.text_of(nb.cells[2])
+    assert status.count("cpu: shm") == 2, status
