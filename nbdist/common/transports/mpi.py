@@ -6,6 +6,7 @@ instead of hanging in MPI for ever.
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Callable, Sequence
 
@@ -17,28 +18,33 @@ from ..transport import Transport, TransportError
 
 def wait_with_backoff(request, should_stop: Callable[[], str | None] | None = None,
                       timeout_s: float = 0.0, what: str = "MPI operation") -> None:
-    """Wait for an MPI request: spin a little, then yield, then sleep up to 1 ms.
+    """Wait for an MPI request: spin, then yield the CPU, then sleep (50 µs growing to 1 ms).
 
-    `should_stop` returns a reason to give up (an abort) or None; `timeout_s` > 0
-    bounds the wait. Both raise TransportError.
+    MPICH moves a non-blocking collective forward only inside MPI calls, so the
+    first 20 ms keep calling Test (spinning 200 µs, then with sched_yield between
+    calls, which hands the core to another rank on an oversubscribed node); only a
+    long wait (a slow peer) sleeps. `should_stop` returns a reason to give up (an
+    abort) or None; `timeout_s` > 0 bounds the wait. Both raise TransportError.
     """
-    spins = 0
-    sleep_s = 0.0
     start = time.monotonic()
+    next_check = start + 0.01
+    sleep_s = 50e-6
     while not request.Test():
-        spins += 1
-        if spins < 200:
+        now = time.monotonic()
+        waited = now - start
+        if waited < 200e-6:
             continue
-        if sleep_s == 0.0:
-            sleep_s = 20e-6
+        if waited < 0.02:
+            os.sched_yield()
         else:
-            sleep_s = min(sleep_s * 2, 1e-3)
-        time.sleep(sleep_s)
-        if spins % 64 == 0:
+            time.sleep(sleep_s)
+            sleep_s = min(sleep_s * 1.5, 1e-3)
+        if now >= next_check:
+            next_check = now + 0.01
             reason = should_stop() if should_stop else None
             if reason:
                 raise TransportError(f"{what} abandoned: {reason}")
-            if timeout_s and time.monotonic() - start > timeout_s:
+            if timeout_s and waited > timeout_s:
                 raise TransportError(f"{what} did not complete within {timeout_s:g} s")
 
 
