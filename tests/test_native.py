@@ -84,16 +84,19 @@ def test_hierarchical_with_pretend_nodes(n, local_size):
 @pytest.mark.parametrize("n", RANKS)
 def test_sigkill_releases_peers_and_leaves_no_segment(n, tmp_path):
     script = ROOT / "tests" / "ranks" / "native_sigkill.py"
-    # A shell between mpiexec and each rank takes mpiexec's clean-up signals (see the script).
+    # A shell between mpiexec and each rank takes mpiexec's clean-up signals, and each
+    # rank moves to a session of its own so that hydra's kill(-pgid) misses it (see the script).
     cmd = [MPIEXEC, "-disable-auto-cleanup", "-n", str(n), "sh", "-c", f'"{sys.executable}" "{script}"']
     env = rank_env(NBDIST_SIGKILL_DIR=str(tmp_path))
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    report = {}
     try:
         out, _ = proc.communicate(timeout=120)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and len(list(tmp_path.glob("released.*"))) < n - 1:
             time.sleep(0.1)
+        report = _sigkill_rank_report(tmp_path, n)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -103,14 +106,43 @@ def test_sigkill_releases_peers_and_leaves_no_segment(n, tmp_path):
             except (ProcessLookupError, ValueError):
                 pass
     files = {p.name: p.read_text() for p in tmp_path.iterdir()}
+    assert "segment" in files and "killed" in files, (report, out[-4000:])
     segment, killed_at = files["segment"], float(files["killed"])
     released = {int(k.split(".")[1]): v for k, v in files.items() if k.startswith("released.")}
-    assert sorted(released) == list(range(n - 1)), (files, out)
+    assert sorted(released) == list(range(n - 1)), (report, out[-4000:])
     for rank, text in released.items():
         at, message = text.split(" ", 1)
         assert float(at) - killed_at < 1.0, f"rank {rank} released {float(at) - killed_at:.2f} s late"
         assert f"rank {n - 1}" in message and "died" in message, message
     assert not os.path.exists("/dev/shm" + segment)
+
+
+def _sigkill_rank_report(d, n: int) -> dict:
+    """What happened to each surviving rank that did not write released.R: its files,
+    whether it still runs (state, kernel wait channel, a Python stack dump)."""
+    report = {}
+    for rank in range(n - 1):
+        if (d / f"released.{rank}").exists():
+            continue
+        entry = {name: (d / f"{name}.{rank}").read_text()[-2000:]
+                 for name in ("started", "error") if (d / f"{name}.{rank}").exists()}
+        try:
+            pid = int((d / f"pid.{rank}").read_text())
+        except (FileNotFoundError, ValueError):
+            entry["process"] = "never wrote its pid (did not reach MPI init)"
+            report[rank] = entry
+            continue
+        try:
+            stat = open(f"/proc/{pid}/stat").read()
+            wchan = open(f"/proc/{pid}/wchan").read()
+            entry["process"] = f"still there: state {stat.rsplit(')', 1)[1].split()[0]}, wchan {wchan}"
+            os.kill(pid, signal.SIGUSR2)  # faulthandler dumps its Python stacks to stack.R
+            time.sleep(0.5)
+            entry["stack"] = (d / f"stack.{rank}").read_text()[-3000:]
+        except (FileNotFoundError, ProcessLookupError):
+            entry["process"] = "gone without writing released/error: killed by a signal"
+        report[rank] = entry
+    return report
 
 
 @pytest.mark.timeout(1200)

@@ -1,25 +1,38 @@
 """A script (not a pytest file): the last rank SIGKILLs itself in the middle of allreduces.
 
 Run by tests/test_native.py under `mpiexec -disable-auto-cleanup`, each rank behind a
-shell, because mpiexec still signals its direct children when one dies (SIGUSR1 or
-SIGKILL, racing nbdist's own detection); the ranks behind the shells live on, and
-each must leave its wait within a second, naming the dead rank. Results go to files
-in $NBDIST_SIGKILL_DIR (mpiexec's output pipes may be gone by then).
+shell. When a rank dies, MPICH's hydra proxy still signals the *process group* of each
+of its children (`kill(-pgid, SIGUSR1)`, then `kill(-pgid, SIGKILL)`; seen with strace),
+and a shell's child is in the shell's group, so the shell alone does not shield the
+rank: whether a survivor wrote its result before that SIGKILL was a race (the test
+failed about one run in two). So each rank first moves to a session (and process
+group) of its own, before MPI starts: hydra's signals then reach only the shells, the
+ranks live on, and each must leave its wait within a second, naming the dead rank.
+Results and per-rank diagnostics go to files in $NBDIST_SIGKILL_DIR (mpiexec's output
+pipes may be gone by then): started.R, pid.R, released.R, error.R, stack.R (a Python
+stack dump on SIGUSR2, which the test sends to a rank that is still running).
 """
+import faulthandler
 import os
 import signal
+import sys
 import time
+import traceback
 from pathlib import Path
 
-import numpy as np
-from mpi4py import MPI
+OUT = Path(os.environ["NBDIST_SIGKILL_DIR"])
+os.setsid()  # out of the shell's process group: hydra's kill(-pgid, ...) misses us
+signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # MPICH's "a peer died" notice
+_pre = f"pid {os.getpid()} sid {os.getsid(0)} pgid {os.getpgrp()} ppid {os.getppid()}"
+
+import numpy as np  # noqa: E402
+from mpi4py import MPI  # noqa: E402
 
 from nbdist.common.ops_base import ReduceOp
 from nbdist.common.transport import TransportError
 from nbdist.common.transports.shm import ShmTransport
 
-signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # MPICH's "a peer died" notice
-OUT = Path(os.environ["NBDIST_SIGKILL_DIR"])
+signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # again, in case MPI_Init installed a handler
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.rank, COMM.size
 
@@ -30,19 +43,28 @@ def record(name: str, text: str) -> None:
     tmp.rename(OUT / name)  # atomic: the test never reads half a file
 
 
+record(f"started.{RANK}", _pre)
 record(f"pid.{RANK}", str(os.getpid()))
-t = ShmTransport(COMM, RANK, timeout_s=30)
-if RANK == 0:
-    record("segment", t._native.name)
-COMM.Barrier()
-buf = np.ones(1 << 20, np.float32)
-for i in range(1_000_000):
-    if RANK == SIZE - 1 and i == 20:
-        record("killed", f"{time.monotonic():.6f}")
-        os.kill(os.getpid(), signal.SIGKILL)
-    try:
-        t.allreduce(buf, ReduceOp.Sum)
-        buf[:] = 1
-    except TransportError as exc:
-        record(f"released.{RANK}", f"{time.monotonic():.6f} {exc}")
-        os._exit(0)  # MPI cannot finalize with a dead peer
+_stack = open(OUT / f"stack.{RANK}", "w")
+faulthandler.register(signal.SIGUSR2, file=_stack, all_threads=True)
+try:
+    t = ShmTransport(COMM, RANK, timeout_s=30)
+    if RANK == 0:
+        record("segment", t._native.name)
+    COMM.Barrier()
+    buf = np.ones(1 << 20, np.float32)
+    for i in range(1_000_000):
+        if RANK == SIZE - 1 and i == 20:
+            record("killed", f"{time.monotonic():.6f}")
+            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            t.allreduce(buf, ReduceOp.Sum)
+            buf[:] = 1
+        except TransportError as exc:
+            record(f"released.{RANK}", f"{time.monotonic():.6f} {exc}")
+            os._exit(0)  # MPI cannot finalize with a dead peer
+    record(f"error.{RANK}", "finished every allreduce: the dead rank was never noticed")
+except BaseException:
+    record(f"error.{RANK}", f"{time.monotonic():.6f} {traceback.format_exc()}")
+sys.stdout.flush()
+os._exit(1)
