@@ -157,7 +157,9 @@ def test_engines_do_not_outlive_a_killed_kernel():
 
         def run(code):
             reply = kc.execute_interactive(code, timeout=180, output_hook=lambda m: outputs.append(m))
-            assert reply["content"]["status"] == "ok", outputs[-3:]
+            shown = [m["content"].get("text") or m["content"].get("evalue")
+                     or m["content"].get("data", {}).get("text/plain") for m in outputs]
+            assert reply["content"]["status"] == "ok", (reply["content"], shown[-10:])
 
         run("%load_ext nbdist")
         run("%%distributed -n 2\nimport nbdist.common as hvd, numpy as np\nhvd.init()\n"
