@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -162,8 +163,15 @@ def test_engines_do_not_outlive_a_killed_kernel():
             assert reply["content"]["status"] == "ok", (reply["content"], shown[-10:])
 
         run("%load_ext nbdist")
-        run("%%distributed -n 2\nimport nbdist.common as hvd, numpy as np\nhvd.init()\n"
-            "hvd.allreduce(np.ones(2), name='warm')")
+        warm = ("%%distributed -n 2\nimport nbdist.common as hvd, numpy as np\nhvd.init()\n"
+                "hvd.allreduce(np.ones(2), name='warm')")
+        try:
+            run(warm)
+        except AssertionError as exc:
+            # Once in a full CI run this first cell failed (cause not found yet); say what
+            # the kernel showed, and try once more: the test is about the clean-up below.
+            print(f"first cell failed, retrying once: {exc}", file=sys.stderr)
+            run(warm)
         run(h.FOOTPRINT)
         texts = [m["content"].get("text", "") for m in outputs if m["msg_type"] == "stream"]
         fp = json.loads(next(t for t in "".join(texts).splitlines() if t.startswith("FOOTPRINT "))
