@@ -8,22 +8,7 @@ import torch
 
 import nbdist.torch as hvd
 
-torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def runtime():
-    hvd.init()
-    yield
-    hvd.barrier()
-
-
-def R():
-    return hvd.rank()
-
-
-def N():
-    return hvd.size()
+from _torch_setup import N, R, runtime  # noqa: F401 (the autouse fixture starts nbdist)
 
 
 def weight(rank, shape, dtype=torch.float64):

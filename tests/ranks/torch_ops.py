@@ -10,26 +10,11 @@ import torch
 
 import nbdist.torch as hvd
 
-torch.set_num_threads(1)
+from _torch_setup import N, R, runtime  # noqa: F401 (the autouse fixture starts nbdist)
 
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 INTS = [torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8]
 DIMS = [1, 2, 3]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def runtime():
-    hvd.init()
-    yield
-    hvd.barrier()
-
-
-def R():
-    return hvd.rank()
-
-
-def N():
-    return hvd.size()
 
 
 def shape_of(dims, first=3):

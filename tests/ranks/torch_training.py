@@ -13,23 +13,9 @@ import torch.nn.functional as F
 
 import nbdist.torch as hvd
 
-torch.set_num_threads(1)
+from _torch_setup import N, R, runtime  # noqa: F401 (the autouse fixture starts nbdist)
+
 B = 3  # rows per rank per micro-batch
-
-
-@pytest.fixture(scope="module", autouse=True)
-def runtime():
-    hvd.init()
-    yield
-    hvd.barrier()
-
-
-def R():
-    return hvd.rank()
-
-
-def N():
-    return hvd.size()
 
 
 def make_model(seed=0, bias=True):
