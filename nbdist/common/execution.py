@@ -10,9 +10,9 @@ from typing import Callable
 
 import numpy as np
 
-from .ops_base import ReduceOp
+from .ops_base import ReduceOp, numpy_dtype
 from .requests import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN,
-                       REDUCESCATTER, Request, Response, make_error, numpy_dtype)
+                       REDUCESCATTER, Request, Response, make_error)
 
 
 def reducescatter_counts(rows: int, size: int) -> list[int]:

@@ -6,7 +6,6 @@ name. The `_async` forms return a handle; `synchronize(handle)` waits for it.
 """
 from __future__ import annotations
 
-import time
 from typing import Any, Sequence
 
 import numpy as np

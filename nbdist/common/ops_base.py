@@ -47,6 +47,11 @@ def dtype_name(dtype: np.dtype) -> str:
     return np.dtype(dtype).name
 
 
+def numpy_dtype(name: str) -> np.dtype:
+    """The dtype of a name as signatures carry it ('float32', 'bfloat16')."""
+    return BFLOAT16 if name == "bfloat16" else np.dtype(name)
+
+
 def is_half(dtype: np.dtype) -> bool:
     """True for 16-bit floats, which reductions accumulate in float32."""
     return np.dtype(dtype) in HALF_DTYPES

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from . import errors
+from .ops_base import numpy_dtype
 
 # Kinds of op the engine negotiates.
 ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER, JOIN = (
@@ -17,7 +18,7 @@ ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER, JOIN = (
 class Handle:
     """An in-flight op: poll it, or wait for its result (see ops.synchronize)."""
 
-    __slots__ = ("name", "_event", "_result", "_error", "_callbacks")
+    __slots__ = ("name", "_event", "_result", "_error")
 
     def __init__(self, name: str):
         self.name = name
@@ -137,18 +138,9 @@ class Response:
 
     def nbytes(self) -> int:
         """Bytes of an allreduce's data, to bound fusion."""
-        item = np.dtype(_numpy_dtype(self.dtype)).itemsize if self.dtype else 0
+        item = numpy_dtype(self.dtype).itemsize if self.dtype else 0
         return sum(int(np.prod(s)) for s in self.shapes) * item
 
-
-def _numpy_dtype(name: str):
-    if name == "bfloat16":
-        from .ops_base import BFLOAT16
-        return BFLOAT16
-    return np.dtype(name)
-
-
-numpy_dtype: Callable[[str], np.dtype] = _numpy_dtype
 
 ERROR_CLASSES = {
     "MismatchError": errors.MismatchError,
