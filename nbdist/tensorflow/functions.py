@@ -13,7 +13,6 @@ import tensorflow as tf
 from nbdist import common as _c
 
 from . import _bridge, _naming
-from .mpi_ops import same_shapes
 
 _SHOWN = 6  # variables listed per rank in a mismatch message
 
@@ -71,7 +70,7 @@ def broadcast_variables(variables, root_rank, process_set=None, inplace=False, n
         names = _naming.variable_names([_Named(n) for n, _, _ in signatures[root_rank]])
         handles = [_c.broadcast_async(a, root_rank, name=f"{base}.{n}")
                    for a, n in zip(arrays, names)]
-        results = same_shapes([_c.synchronize(h) for h in handles], arrays)
+        results = [_c.synchronize(h) for h in handles]
         return lambda: results
 
     values = [tf.convert_to_tensor(v) for v in variables]

@@ -18,7 +18,7 @@ from nbdist import common as _c
 
 from . import _bridge, _naming
 from .compression import Compression
-from .mpi_ops import resolve_op, same_shapes
+from .mpi_ops import resolve_op
 
 _MARK = "_nbdist_reduced"
 
@@ -95,10 +95,7 @@ def reduce_gradients(grads, variables, prefix: str, op=None, compression=Compres
                    for a, n in zip(arrays[:n_dense], op_names[:n_dense])]
         handles += [_c.allgather_async(a, name=n)
                     for a, n in zip(arrays[n_dense:], op_names[n_dense:])]
-        def wait():
-            results = [_c.synchronize(h) for h in handles]
-            return same_shapes(results[:n_dense], arrays[:n_dense]) + results[n_dense:]
-        return wait
+        return lambda: [_c.synchronize(h) for h in handles]
 
     shapes = [t.shape for t in inputs[:n_dense]]
     shapes += [tf.TensorShape([None]).concatenate(t.shape[1:]) for t in inputs[n_dense:]]

@@ -66,17 +66,12 @@ def _check_grad_op(op, what: str) -> None:
 
 
 # -- raw steps (no gradient) ----------------------------------------------------------------
-def same_shapes(results, arrays) -> list:
-    """Results in their inputs' shapes (nbdist.common returns 0-d arrays as shape (1,))."""
-    return [np.reshape(r, np.shape(a)) for r, a in zip(results, arrays)]
-
-
 def _raw_allreduce(tensors, op, prescale, postscale, names) -> list:
     def submit(*arrays):
         handles = [_c.allreduce_async(a, op=op, name=n, prescale_factor=prescale,
                                       postscale_factor=postscale)
                    for a, n in zip(arrays, names)]
-        return lambda: same_shapes([_c.synchronize(h) for h in handles], arrays)
+        return lambda: [_c.synchronize(h) for h in handles]
 
     return _bridge.run(submit, tensors, [t.dtype for t in tensors], _same_shape(tensors),
                        f"allreduce {names[0]!r}")
@@ -94,7 +89,7 @@ def _raw_allgather(tensors, names) -> list:
 def _raw_broadcast(tensors, root_rank, names) -> list:
     def submit(*arrays):
         handles = [_c.broadcast_async(a, root_rank, name=n) for a, n in zip(arrays, names)]
-        return lambda: same_shapes([_c.synchronize(h) for h in handles], arrays)
+        return lambda: [_c.synchronize(h) for h in handles]
 
     return _bridge.run(submit, tensors, [t.dtype for t in tensors], _same_shape(tensors),
                        f"broadcast {names[0]!r}")

@@ -101,9 +101,8 @@ def _reduce_op(op, average, what: str) -> ReduceOp:
     return op
 
 
-def _to_result(like: torch.Tensor, same_shape: bool = False) -> Callable:
-    shape = like.shape if same_shape else None
-    return lambda result: _tu.to_tensor(result, like, shape)
+def _to_result(like: torch.Tensor) -> Callable:
+    return lambda result: _tu.to_tensor(result, like)
 
 
 def _inplace(tensor: torch.Tensor, what: str, reduction: bool, submit: Callable) -> Handle:
@@ -134,7 +133,7 @@ def _allreduce_submit(tensor, name, op, prescale_factor, postscale_factor) -> Ha
     src = _tu.contiguous_input(tensor)
     inner = _c.allreduce_async(_tu.as_buffer(src), op=op, name=name,
                                prescale_factor=prescale_factor, postscale_factor=postscale_factor)
-    return Handle(inner, _to_result(tensor, same_shape=True), keep=(src,))
+    return Handle(inner, _to_result(tensor), keep=(src,))
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
@@ -214,7 +213,7 @@ def _grouped_submit(tensors, name, op, prescale_factor, postscale_factor) -> Han
                                        postscale_factor=postscale_factor)
 
     def finish(results):
-        return [_tu.to_tensor(r, t, t.shape) for r, t in zip(results, tensors)]
+        return [_tu.to_tensor(r, t) for r, t in zip(results, tensors)]
 
     return Handle(inner, finish, keep=tuple(srcs))
 
@@ -384,7 +383,7 @@ def _broadcast_submit(tensor, root_rank, name) -> Handle:
         return Handle(inner, lambda _result: out, keep=(out,))
     src = _tu.contiguous_input(tensor)
     inner = _c.broadcast_async(_tu.as_buffer(src), root, name=name)
-    return Handle(inner, _to_result(tensor, same_shape=True), keep=(src,))
+    return Handle(inner, _to_result(tensor), keep=(src,))
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> Handle:

@@ -96,15 +96,9 @@ def inplace_staging(target: torch.Tensor) -> torch.Tensor:
     return target if target.is_contiguous() else target.contiguous()
 
 
-def to_tensor(result, like: torch.Tensor, shape=None) -> torch.Tensor:
-    """A result buffer from nbdist.common as a tensor of `like`'s dtype and device (no copy on CPU).
-
-    `shape`, when given, is the shape the result must have (a view reshapes it): early
-    nbdist.common returned 0-d allreduce/broadcast results as shape (1,).
-    """
+def to_tensor(result, like: torch.Tensor) -> torch.Tensor:
+    """A result buffer from nbdist.common as a tensor of `like`'s dtype and device (no copy on CPU)."""
     out = _to_tensor(result, like)
-    if shape is not None and tuple(out.shape) != tuple(shape):
-        out = out.reshape(shape)
     if out.device != like.device:  # a CUDA tensor's op staged through host memory
         out = out.to(like.device)
     return out
