@@ -15,6 +15,7 @@ class Topology:
     cross_rank: int
     cross_size: int
     hostname: str
+    hosts: list  # every rank's hostname, in rank order (for messages and %dist_status)
     world: object  # the user's MPI communicator (COMM_WORLD)
     control_comm: object  # private dup: negotiation messages
     data_comm: object  # private dup: collective data
@@ -26,7 +27,10 @@ class Topology:
         """Split `comm` into node-local and cross-node communicators.
 
         local_size_override > 0 pretends nodes hold that many consecutive ranks, so the
-        cross-node (hierarchical) path runs on one machine.
+        cross-node (hierarchical) path runs on one machine. Otherwise a node is what MPI
+        calls one (COMM_TYPE_SHARED: the ranks the launcher put on one host, e.g. one
+        hydra proxy per `-hosts` entry, one slurmd per node), because the shared-memory
+        transport needs exactly that; hostnames only label the nodes.
         """
         from mpi4py import MPI
         import socket
@@ -40,7 +44,7 @@ class Topology:
             rank=comm.rank, size=comm.size,
             local_rank=local_comm.rank, local_size=local_comm.size,
             cross_rank=cross_comm.rank, cross_size=cross_comm.size,
-            hostname=socket.gethostname(), world=comm,
+            hostname=socket.gethostname(), hosts=comm.allgather(socket.gethostname()), world=comm,
             control_comm=comm.Dup(), data_comm=comm.Dup(),
             local_comm=local_comm, cross_comm=cross_comm,
         )
