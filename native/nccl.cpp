@@ -68,6 +68,7 @@ struct Api {
   int (*cudaEventDestroy)(cudaEvent_t);
   const char* (*cudaGetErrorString)(int);
   int (*cudaPointerGetAttributes)(void*, const void*);
+  int (*cudaDeviceGetPCIBusId)(char*, int, int);
   bool ok() const { return nccl != nullptr && cudart != nullptr && error.empty(); }
 };
 
@@ -138,6 +139,7 @@ const Api& load_api(const std::vector<std::string>& nccl_paths, const std::vecto
   resolve(a.cudart, "cudaEventDestroy", a.cudaEventDestroy, e);
   resolve(a.cudart, "cudaGetErrorString", a.cudaGetErrorString, e);
   resolve(a.cudart, "cudaPointerGetAttributes", a.cudaPointerGetAttributes, e);
+  resolve(a.cudart, "cudaDeviceGetPCIBusId", a.cudaDeviceGetPCIBusId, e);
   return a;
 }
 
@@ -419,6 +421,14 @@ void bind_nccl(py::module_& m) {
     check_cuda(api().cudaPointerGetAttributes(&attr, reinterpret_cast<void*>(address)), "cudaPointerGetAttributes");
     return attr.device;
   });
+  m.def(
+      "cuda_pci_bus_id",
+      [](int device) {
+        char id[64] = {0};
+        check_cuda(api().cudaDeviceGetPCIBusId(id, sizeof id, device), "cudaDeviceGetPCIBusId");
+        return std::string(id);
+      },
+      py::arg("device"), "The PCI bus id of CUDA device `device` (what NCCL tells GPUs apart by).");
   py::class_<NcclComm>(m, "NcclComm", "An NCCL communicator over all ranks, bound to one GPU.")
       .def(py::init<const py::bytes&, int, int, int>(), py::arg("unique_id"), py::arg("nranks"), py::arg("rank"),
            py::arg("device"))

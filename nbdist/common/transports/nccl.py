@@ -1,8 +1,8 @@
 """The NCCL transport for GPU buffers (torch CUDA tensors, CuPy arrays, __cuda_array_interface__).
 
-libnccl and the CUDA runtime are opened by nbdist._native with dlopen, from the
-nvidia-nccl-cu12 / nvidia-cuda-runtime-cu12 wheels when they are installed, else
-from the system's library path. The communicator is created at the first GPU op
+libnccl and the CUDA runtime are opened by nbdist._native with dlopen: the copies a
+framework (torch, CuPy) has loaded already, else the nvidia-nccl-cu12/-cu13 and CUDA
+runtime wheels when they are installed, else the system's library path. The communicator is created at the first GPU op
 (every rank runs the same ops in the same order), with rank 0's unique id sent
 over MPI. Ops are enqueued on the framework's current stream and waited for.
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import glob
 import os
+import socket
 import sys
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -32,13 +33,27 @@ def _wheel_lib_dirs(package: str) -> list[str]:
     return dirs
 
 
+def _already_loaded(stem: str) -> list[str]:
+    """Paths of libraries named stem* that this process has mapped already (e.g. by torch)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/" + stem in line}
+    except OSError:
+        return []
+    return sorted(p for p in paths if os.path.basename(p).startswith(stem))
+
+
 def library_candidates() -> tuple[list[str], list[str]]:
-    """Paths to try for libnccl and libcudart: NBDIST_NCCL_LIB, the wheels, then the system."""
+    """Paths to try for libnccl and libcudart: NBDIST_NCCL_LIB, the copies a framework has
+    loaded already (one CUDA runtime per process), the wheels, then the system."""
     nccl = [os.environ["NBDIST_NCCL_LIB"]] if os.environ.get("NBDIST_NCCL_LIB") else []
     cudart = [os.environ["NBDIST_CUDART_LIB"]] if os.environ.get("NBDIST_CUDART_LIB") else []
-    for d in _wheel_lib_dirs("nccl"):
+    nccl += _already_loaded("libnccl.so")
+    cudart += _already_loaded("libcudart.so")
+    # CUDA 12 wheels: nvidia/{nccl,cuda_runtime}/lib; CUDA 13 wheels: nvidia/cu13/lib.
+    for d in _wheel_lib_dirs("nccl") + _wheel_lib_dirs("cu13") + _wheel_lib_dirs("cu12"):
         nccl += sorted(glob.glob(os.path.join(d, "libnccl.so*")))
-    for d in _wheel_lib_dirs("cuda_runtime"):
+    for d in _wheel_lib_dirs("cuda_runtime") + _wheel_lib_dirs("cu13") + _wheel_lib_dirs("cu12"):
         cudart += sorted(glob.glob(os.path.join(d, "libcudart.so*")))
     nccl += ["libnccl.so.2", "libnccl.so"]
     cudart += ["libcudart.so.12", "libcudart.so.13", "libcudart.so.11.0", "libcudart.so"]
@@ -139,6 +154,29 @@ def describe(buf) -> DeviceBuffer:
     return DeviceBuffer(address, count, CODES[_TYPESTR[kind]], device, int(stream))
 
 
+def shared_gpu_error(gpus: Sequence[tuple[str, str]], rank: int) -> str:
+    """'' when every rank has its own GPU, else why NCCL cannot run (the same text on every rank).
+
+    `gpus[r]` is rank r's (host, PCI bus id). NCCL refuses two ranks on one device
+    ("Duplicate GPU detected", reported as a bare "invalid usage"); nbdist says so
+    first, naming the ranks, rather than staging through host memory behind the
+    user's back (a silent copy would hide a 10-100x slowdown).
+    """
+    by_gpu: dict[tuple[str, str], list[int]] = {}
+    for r, gpu in enumerate(gpus):
+        by_gpu.setdefault(tuple(gpu), []).append(r)
+    shared = [(gpu, ranks) for gpu, ranks in by_gpu.items() if len(ranks) > 1]
+    if not shared:
+        return ""
+    (host, bus), ranks = shared[0]
+    names = ", ".join(str(r) for r in ranks[:-1]) + f" and {ranks[-1]}"
+    return (f"rank {rank}: ranks {names} {'both' if len(ranks) == 2 else 'all'} use GPU {bus} on {host}, and NCCL allows only one "
+            "rank per GPU (it refuses with 'Duplicate GPU detected'). Give each rank its own "
+            "GPU: start at most as many ranks per node as it has GPUs, with "
+            "`%%distributed --gpus` or torch.cuda.set_device(hvd.local_rank()); or keep these "
+            "tensors on the CPU, where ranks sharing a node use shared memory.")
+
+
 class NCCLTransport(Transport):
     """Collectives on GPU buffers through one NCCL communicator over all ranks."""
 
@@ -159,6 +197,10 @@ class NCCLTransport(Transport):
         from nbdist import _native
 
         if self._nccl is None:
+            gpus = self.comm.allgather((socket.gethostname(), _native.cuda_pci_bus_id(device)))
+            shared = shared_gpu_error(gpus, self.comm.rank)
+            if shared:
+                raise TransportError(shared)
             uid = _native.nccl_unique_id() if self.comm.rank == 0 else None
             uid = self.comm.bcast(uid, root=0)
             self._nccl = _native.NcclComm(uid, self.comm.size, self.comm.rank, device)
