@@ -1,43 +1,28 @@
-"""nbdist.torch on CUDA tensors (the NCCL path): runs where a GPU and NCCL exist."""
-import importlib.util
-
+"""nbdist.torch on CUDA tensors (the NCCL path): runs where a GPU and NCCL exist, one
+rank per GPU; skips with the reason elsewhere."""
 import pytest
 
 from conftest import run_rank_tests
+from test_gpu_nccl import skip_unless
 
 
 def _no_gpu_reason():
-    if importlib.util.find_spec("torch") is None:
+    try:
+        import torch
+    except ImportError:
         return "PyTorch is not installed"
-    import torch
-
     if not torch.cuda.is_available():
-        return f"no CUDA device (torch {torch.__version__}, built with CUDA: {torch.version.cuda})"
+        return f"no CUDA device (torch {torch.__version__}, built with CUDA {torch.version.cuda})"
     return None
 
 
-def _skip_reason():
-    if _no_gpu_reason():
-        return _no_gpu_reason()
-    import nbdist.common as common
-
-    if not common.nccl_built():
-        return "nbdist's NCCL path is not available here (nccl_built() is False)"
-    return None
-
-
-REASON = _skip_reason()
 NO_GPU = _no_gpu_reason()
 
 
-@pytest.mark.skipif(REASON is not None, reason=REASON or "")
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [1, 2, 4])
 def test_torch_cuda_ranks(n):
-    import torch
-
-    if torch.cuda.device_count() < 1:
-        pytest.skip("no CUDA device")
+    skip_unless(n)
     run_rank_tests(n, "torch_cuda.py", timeout=380)
 
 
