@@ -1,4 +1,4 @@
-"""The data-path interface, and the one place that chooses a transport for an op.
+"""The data-path interface (TransportSet in transports/select.py chooses one per op).
 
 The engine negotiates *what* runs; a Transport moves the bytes of an op that every
 rank of the communicator has agreed to run, in the same order on every rank.
@@ -53,12 +53,3 @@ class Transport(abc.ABC):
     def close(self) -> None:
         """Release what the transport holds (segments, communicators)."""
 
-
-def choose_transport(runtime, device: str, kind: str) -> Transport:
-    """The transport that moves an op's bytes: the one place where this is decided.
-
-    GPU buffers go to NCCL, CPU buffers on one node to shared memory, CPU buffers
-    across nodes to the hierarchical path; NBDIST_CPU_OPERATIONS overrides the CPU
-    choice. Until the native module is built, every CPU op goes through MPI.
-    """
-    return runtime.transports.for_op(device, kind)

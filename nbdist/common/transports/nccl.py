@@ -81,11 +81,6 @@ def load_nccl() -> str:
     return _load_result
 
 
-def nccl_available() -> bool:
-    """True when NCCL and the CUDA runtime load and a GPU is visible."""
-    return load_nccl() == ""
-
-
 @dataclass
 class DeviceBuffer:
     """What NCCL needs to know of a GPU array."""

@@ -127,17 +127,6 @@ class TransportSet:
         return {"cpu_mode": self.cpu_mode, "cpu": cpu,
                 "gpu": self.nccl.name if self.nccl else f"unavailable ({self.nccl_reason})"}
 
-    def abort(self, reason: str) -> None:
-        """Release peers waiting in a native transport (any thread)."""
-        for transport in (self.nccl, self.hierarchical, self.shm):
-            if transport is not None and hasattr(transport, "abort"):
-                transport.abort(reason)
-
-    def reset(self) -> None:
-        """Make the shm transport usable after an abort (collective, no op running)."""
-        if self.shm is not None:
-            self.shm.reset()
-
     def close(self) -> None:
         for transport in (self.nccl, self.hierarchical, self.shm, self.mpi):
             if transport is not None:
