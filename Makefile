@@ -16,7 +16,7 @@ $(STAMP): requirements.txt pyproject.toml CMakeLists.txt $(wildcard native/*)
 	touch $(STAMP)
 
 demo: $(STAMP)  ## execute the quickstart notebook headless (4 ranks) and print its outputs
-	$(BIN)/python -m nbdist.run_notebook notebooks/quickstart.ipynb --out build/quickstart.executed.ipynb
+	$(BIN)/python -m nbdist.cli.run_notebook notebooks/quickstart.ipynb --out build/quickstart.executed.ipynb
 
 demo-batch: $(STAMP)  ## the batch twin: real distributed work on $(N) local ranks
 	$(BIN)/nbdist run -n $(N) examples/demo.py

@@ -28,7 +28,7 @@ def measure(calls: int = 200_000, publishes: int = 2_000, steps: int = 200, step
     import os
     import time
 
-    import nbdist.metrics as m
+    import nbdist.rank.report as m
 
     perf = time.perf_counter
     reporter = m.get_reporter()

@@ -32,8 +32,8 @@ def warm_roundtrip(ip, n: int, reps: int) -> dict:
     import ipyparallel as ipp
     from traitlets.config import Config
 
-    from nbdist import magics
-    from nbdist.cluster import mpiexec_path
+    from nbdist.notebook import magics
+    from nbdist.mpi.hydra import mpiexec_path
 
     dist = magics._loaded[id(ip)]
     ip.run_cell_magic("distributed", f"-n {n} --output none --no-widgets", "x = 1")
@@ -72,7 +72,8 @@ def cold_start(n: int, starts: int) -> dict:
     import ipyparallel as ipp
     from traitlets.config import Config
 
-    from nbdist.cluster import DistCluster, mpiexec_path
+    from nbdist.notebook.cluster import DistCluster
+    from nbdist.mpi.hydra import mpiexec_path
 
     ours, theirs = [], []
     for _ in range(starts):

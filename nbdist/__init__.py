@@ -8,14 +8,14 @@ __version__ = "0.1.0"
 
 def load_ipython_extension(ipython):
     """`%load_ext nbdist`: register the %%distributed and %dist_* magics."""
-    from .magics import load_ipython_extension as _load
+    from .notebook.magics import load_ipython_extension as _load
 
     _load(ipython)
 
 
 def unload_ipython_extension(ipython):
     """`%unload_ext nbdist`: stop the cluster and remove the magics."""
-    from .magics import unload_ipython_extension as _unload
+    from .notebook.magics import unload_ipython_extension as _unload
 
     _unload(ipython)
 
@@ -23,10 +23,10 @@ def unload_ipython_extension(ipython):
 # The engine-side reporting API and the notebook-side table, imported on first use
 # so that `import nbdist` stays cheap (no ipywidgets, no MPI).
 _LAZY = {
-    "report": ("metrics", "report"),
-    "progress": ("metrics", "progress"),
-    "TorchProgress": ("metrics", "TorchProgress"),
-    "last_metrics": ("progress_view", "last_metrics"),
+    "report": ("rank.report", "report"),
+    "progress": ("rank.report", "progress"),
+    "TorchProgress": ("rank.report", "TorchProgress"),
+    "last_metrics": ("notebook.progress_view", "last_metrics"),
 }
 
 

@@ -69,7 +69,7 @@ def text_of(cell) -> str:
             parts.append(str(out.data.get("text/plain", "")))
         elif out.output_type == "error":
             parts.append(f"{out.ename}: {out.evalue}\n" + "\n".join(out.traceback))
-    from nbdist.display import strip_ansi
+    from nbdist.failure import strip_ansi
 
     return strip_ansi("\n".join(parts))
 
@@ -78,7 +78,7 @@ def error_of(cell):
     """The cell's error output (ename, evalue, traceback text) or None."""
     for out in cell.get("outputs", []):
         if out.output_type == "error":
-            from nbdist.display import strip_ansi
+            from nbdist.failure import strip_ansi
 
             return out.ename, out.evalue, strip_ansi("\n".join(out.traceback))
     return None

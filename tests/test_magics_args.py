@@ -5,8 +5,8 @@ import pytest
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
-from nbdist import magics
-from nbdist.cluster import culprits, decode_wait_status, parse_exit_codes
+from nbdist.notebook import magics
+from nbdist.mpi.hydra import culprits, decode_wait_status, parse_exit_codes
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,4 @@
-"""nbdist.metrics (engine side) and nbdist.progress_view's aggregation, rate limiting and text fallback.
+"""nbdist.rank.report (rank side) and nbdist.notebook.progress_view's aggregation, rate limiting and text fallback.
 
 The unit tests drive a real Reporter into a sink that merges publishes into one dict per engine
 exactly as ipyparallel's client does (`md['data'].update(data)`), so RunState sees what it sees
@@ -16,9 +16,11 @@ import time
 
 import pytest
 
-from nbdist import metrics, progress_render, progress_view
-from nbdist.metrics import HISTORY_PREFIX, STATE_KEY, Reporter
-from nbdist.progress_view import RunState
+from nbdist.notebook import progress_render, progress_view
+from nbdist.rank import report as metrics
+from nbdist.rank.report import Reporter
+from nbdist.wire import HISTORY_PREFIX, STATE_KEY
+from nbdist.notebook.progress_view import RunState
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -361,7 +363,7 @@ def run_python(code: str, env_extra: dict, n: int | None = None) -> subprocess.C
 
 
 LOOP = """
-    import time, nbdist.metrics as m
+    import time, nbdist.rank.report as m
     for i in range(20):
         time.sleep(0.01)
         m.report(step=i + 1, total=20, loss=1.0 / (i + 1))
@@ -412,7 +414,7 @@ def mpi_cluster():
 
 CELL = """
 import time
-import nbdist.metrics as m
+import nbdist.rank.report as m
 for i in range(40):  # stops early (total 50): the last report is held back by the rate
     time.sleep(0.02 if m.get_reporter().rank == 0 else 0.03)   # limit, and the post-cell
     m.report(step=i + 1, total=50, loss=1.0 / (i + 1), lr=0.1)  # flush must deliver it
@@ -450,7 +452,7 @@ def test_keras_progress_callback_in_a_real_fit():
     import os, sys
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import numpy as np, keras
-    import nbdist.metrics as m
+    import nbdist.rank.report as m
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     model.compile(optimizer="sgd", loss="mse")
     x, y = np.ones((32, 3), "float32"), np.zeros((32, 1), "float32")
@@ -468,14 +470,14 @@ def test_keras_progress_callback_in_a_real_fit():
 def test_top_level_report_progress_last_metrics_are_lazy():
     code = """
     import sys, nbdist
-    assert "nbdist.metrics" not in sys.modules and "ipywidgets" not in sys.modules
+    assert "nbdist.rank.report" not in sys.modules and "ipywidgets" not in sys.modules
     if not hasattr(nbdist, "report"):
         print("NOT-EXPORTED")
         raise SystemExit(0)
-    import nbdist.metrics, nbdist.progress_view
-    assert nbdist.report is nbdist.metrics.report
-    assert nbdist.progress is nbdist.metrics.progress
-    assert nbdist.last_metrics is nbdist.progress_view.last_metrics
+    import nbdist.rank.report, nbdist.notebook.progress_view
+    assert nbdist.report is nbdist.rank.report.report
+    assert nbdist.progress is nbdist.rank.report.progress
+    assert nbdist.last_metrics is nbdist.notebook.progress_view.last_metrics
     assert "ipywidgets" not in sys.modules
     print("OK")
     """

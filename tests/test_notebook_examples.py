@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(600)
                 "rank 1 died (exit status 1)", "fresh rank 0 of 2", "-n must be at least 1"]),
 ])
 def test_notebook_runs_headless(name, expect):
-    proc = subprocess.run([sys.executable, "-m", "nbdist.run_notebook", f"notebooks/{name}.ipynb"],
+    proc = subprocess.run([sys.executable, "-m", "nbdist.cli.run_notebook", f"notebooks/{name}.ipynb"],
                           cwd=h.ROOT, capture_output=True, text=True, timeout=560)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     for text in expect:

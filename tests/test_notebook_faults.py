@@ -188,7 +188,8 @@ def test_exit_statuses_outlive_ipyparallel_log_cleanup():
     import os
     import time
 
-    from nbdist.cluster import DistCluster, culprits
+    from nbdist.mpi.hydra import culprits
+    from nbdist.notebook.cluster import DistCluster
 
     async def scenario():
         cluster = DistCluster()

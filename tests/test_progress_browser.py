@@ -43,7 +43,7 @@ TRAIN = """\
 %%distributed -n 2
 import time
 import nbdist
-from nbdist.metrics import detect_rank
+from nbdist.rank.report import detect_rank
 rank = detect_rank()
 for step in range(1, 81):
     time.sleep(0.05 if rank == 0 else 0.06)

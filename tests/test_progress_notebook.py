@@ -25,7 +25,7 @@ TRAIN = """\
 %%distributed -n 2
 import time
 import nbdist
-from nbdist.metrics import detect_rank
+from nbdist.rank.report import detect_rank
 rank = detect_rank()
 for step in range(1, 41):
     time.sleep(0.03 if rank == 0 else 0.04)   # rank 1 lags: the rank row shows it
@@ -36,18 +36,18 @@ print("trained")
 FAIL = """\
 %%distributed -n 2
 import time
-import nbdist.metrics
+import nbdist.rank.report
 for step in range(1, 200):
     time.sleep(0.02)
-    nbdist.metrics.report(step=step, total=200, loss=1.0 / step)
-    if step == 15 and nbdist.metrics.detect_rank() == 1:
+    nbdist.rank.report.report(step=step, total=200, loss=1.0 / step)
+    if step == 15 and nbdist.rank.report.detect_rank() == 1:
         raise ValueError("rank 1 broke at step 15")
 """
 
 INTERRUPT = ("""\
 %%distributed -n 2
 import time
-import nbdist.metrics
+import nbdist.rank.report
 for step in nbdist.progress(range(1000), desc="slow"):
     time.sleep(0.02)
 """, {"interrupt_after": 8})
@@ -55,19 +55,19 @@ for step in nbdist.progress(range(1000), desc="slow"):
 TIMEOUT = """\
 %%distributed -n 2 --timeout 2
 import time
-import nbdist.metrics
+import nbdist.rank.report
 for step in range(1, 1000):
     time.sleep(0.02)
-    nbdist.metrics.report(step=step, total=1000, loss=0.5)
+    nbdist.rank.report.report(step=step, total=1000, loss=0.5)
 """
 
 TEXT = """\
 %%distributed -n 2 --no-widgets
 import time
-import nbdist.metrics
+import nbdist.rank.report
 for step in range(1, 11):
     time.sleep(0.03)
-    nbdist.metrics.report(step=step, total=10, loss=2.0 / step)
+    nbdist.rank.report.report(step=step, total=10, loss=2.0 / step)
 """
 
 TRAIN4 = TRAIN.replace("-n 2", "-n 4").replace("total=40", "total=40, ranks=4")

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(argv[1:])
     args = _build_parser().parse_args(argv)
     if args.command == "run":
-        from .launch import run_script
+        from .run import run_script
 
         return run_script(args.script, args.args, n=args.n, timeout=args.timeout, env=args.env)
     if args.command == "bench":

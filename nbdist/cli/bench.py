@@ -14,13 +14,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "collectives.py"
-_UNDER_MPI = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
+from ..mpi.hydra import mpiexec_path
+from ..mpi.ranks import under_mpi_launcher
 
-
-def _mpiexec() -> str:
-    here = Path(sys.executable).parent / "mpiexec"
-    return str(here) if here.exists() else "mpiexec"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "collectives.py"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if ours.help:
         rest = ["--help"]
-    under_mpi = any(os.environ.get(k) for k in _UNDER_MPI)
+    under_mpi = under_mpi_launcher()
     if under_mpi or ours.help:
         spec = importlib.util.spec_from_file_location("nbdist_bench_collectives", SCRIPT)
         module = importlib.util.module_from_spec(spec)
@@ -48,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
             return module.run(rest)
         except SystemExit as exc:  # --help
             return int(exc.code or 0)
-    cmd = [_mpiexec(), "-n", str(ours.n or 2), sys.executable, str(SCRIPT), *rest]
+    cmd = [mpiexec_path(), "-n", str(ours.n or 2), sys.executable, str(SCRIPT), *rest]
     print("running: " + " ".join(cmd), flush=True)
     return subprocess.call(cmd)
 

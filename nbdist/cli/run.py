@@ -7,7 +7,6 @@ others summarised, a dead rank named with its exit status, and a nonzero exit st
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -18,9 +17,10 @@ import threading
 import time
 from pathlib import Path
 
-from .cluster import culprits, decode_wait_status, mpiexec_path, parse_exit_codes
-from ._watchdog import remove_orphan_segments
-from .display import FailureReport, RankError
+from ..failure import FailureReport, RankError
+from ..mpi.hydra import culprits, decode_wait_status, mpiexec_path, parse_exit_codes
+from ..mpi.reaper import remove_orphan_segments
+from ..wire import REPORT_DIR_ENV, read_error_records
 
 TIMEOUT_EXIT = 124
 KILL_GRACE_S = 5.0
@@ -78,11 +78,11 @@ def run_script(script: str, args: list[str] | None = None, n: int = 1, timeout: 
         print(f"nbdist run: {exc}", file=sys.stderr)
         return 2
     report_dir = tempfile.mkdtemp(prefix="nbdist-run-")
-    run_env = {**os.environ, **extra, "NBDIST_REPORT_DIR": report_dir}
+    run_env = {**os.environ, **extra, REPORT_DIR_ENV: report_dir}
     cmd = [mpiexec_path(), "-print-all-exitcodes", "-n", str(n)]
     if n > 1:
         cmd.append("-prepend-rank")
-    cmd += [sys.executable, "-m", "nbdist._rankmain", script, *args]
+    cmd += [sys.executable, "-m", "nbdist.rank.batch", script, *args]
     captured: list[str] = []
     started = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -127,11 +127,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def _read_reports(report_dir: str) -> list[RankError]:
     errors = []
-    for path in sorted(Path(report_dir).glob("rank-*.json")):
-        try:
-            rec = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
+    for rec in read_error_records(report_dir):
         tb = [line for chunk in rec.get("traceback", []) for line in chunk.rstrip("\n").split("\n")]
         err = RankError(rank=rec["rank"], ename=rec["ename"], evalue=rec["evalue"], traceback=tb,
                         follow_on=rec.get("follow_on", False))

@@ -1,6 +1,6 @@
 """Execute a notebook headless in a real kernel and print what each cell showed.
 
-    python -m nbdist.run_notebook notebooks/quickstart.ipynb [--out executed.ipynb] [--timeout 600]
+    python -m nbdist.cli.run_notebook notebooks/quickstart.ipynb [--out executed.ipynb] [--timeout 600]
 
 Cells tagged `raises-exception` may fail (that is what they demonstrate); any other
 failing cell stops the run with a nonzero exit status, as nbclient does.
@@ -13,7 +13,7 @@ from pathlib import Path
 
 
 def _cell_text(cell) -> str:
-    from .display import strip_ansi
+    from ..failure import strip_ansi
 
     parts = []
     for out in cell.get("outputs", []):
@@ -32,7 +32,7 @@ def _cell_text(cell) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m nbdist.run_notebook", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m nbdist.cli.run_notebook", description=__doc__.splitlines()[0])
     parser.add_argument("notebook", help="the .ipynb to execute")
     parser.add_argument("--out", help="also save the executed notebook here (outputs and widget state)")
     parser.add_argument("--timeout", type=int, default=600, help="seconds a cell may run (default 600)")
@@ -64,9 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         nbformat.write(nb, args.out)
     if failure is not None:
-        print(f"\nnbdist.run_notebook: {path} failed:\n{failure}", file=sys.stderr)
+        print(f"\nnbdist.cli.run_notebook: {path} failed:\n{failure}", file=sys.stderr)
     else:
-        print(f"\nnbdist.run_notebook: {path}: every cell ran")
+        print(f"\nnbdist.cli.run_notebook: {path}: every cell ran")
     return status
 
 

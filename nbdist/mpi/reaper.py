@@ -7,7 +7,7 @@ pid; when the kernel is gone it kills the cluster's process trees, removes the
 MPI shared-memory segments they left behind and the private profile directory.
 It exits by itself once the cluster's processes are gone (a normal stop).
 
-Usage: python -m nbdist._watchdog KERNEL_PID KERNEL_START_TIME PROFILE_DIR START_TIME PID...
+Usage: python -m nbdist.mpi.reaper KERNEL_PID KERNEL_START_TIME PROFILE_DIR START_TIME PID...
 """
 from __future__ import annotations
 

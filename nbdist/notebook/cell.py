@@ -208,7 +208,7 @@ def run(cluster, code: str, opts: CellOptions):
     notes = []
     if stuck:
         silent = [r for r, c in streamer.children if not c.done()]
-        notes.append(f"rank{'s' if len(silent) != 1 else ''} {display._ranges(silent)} did not respond to "
+        notes.append(f"rank{'s' if len(silent) != 1 else ''} {display.rank_ranges(silent)} did not respond to "
                      f"the interrupt within {INTERRUPT_GRACE_S:.0f} s (stuck outside Python?); the cluster "
                      f"was restarted - names defined in earlier cells are gone")
         _restart(cluster)
@@ -272,7 +272,7 @@ def _restart(cluster) -> None:
 def _death_report(cluster, ranks: list[int], errors) -> FailureReport:
     """Who died and how (hydra's exit codes), then restart the cluster cleanly."""
     statuses = cluster.exit_statuses(wait_s=DEATH_WAIT_S)
-    from .cluster import culprits, decode_wait_status
+    from ..mpi.hydra import culprits, decode_wait_status
 
     dead = culprits({r: s for r, s in statuses.items()})
     if dead:
@@ -286,7 +286,7 @@ def _death_report(cluster, ranks: list[int], errors) -> FailureReport:
         notes.append("engine log:\n" + fatal)
     others = [r for r in ranks if r not in dead]
     if others and dead:
-        notes.append(f"MPI stopped the other rank{'s' if len(others) != 1 else ''} ({display._ranges(others)}) "
+        notes.append(f"MPI stopped the other rank{'s' if len(others) != 1 else ''} ({display.rank_ranges(others)}) "
                      f"when rank {min(dead)} died")
     try:
         _restart(cluster)

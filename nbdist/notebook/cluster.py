@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import re
 import shutil
 import signal
 import socket
@@ -24,7 +23,8 @@ from pathlib import Path
 
 import psutil
 
-from . import _watchdog
+from ..mpi import reaper
+from ..mpi.hydra import MpiexecNotFound, culprits, decode_wait_status, mpiexec_path, parse_exit_codes, venv_bin  # noqa: F401
 
 MAX_RANKS = 1024  # far beyond one notebook's reach; an absurd -n fails before anything starts
 START_TIMEOUT_S = 120
@@ -33,60 +33,6 @@ EXIT_REPORT_GRACE_S = 5.0  # after mpiexec exited, how long its exit-code report
 
 class ClusterError(RuntimeError):
     """The cluster could not be started or used."""
-
-
-def venv_bin() -> Path:
-    """The bin directory of the running Python: the MPI (mpich wheel) installed beside it."""
-    return Path(sys.executable).parent
-
-
-def mpiexec_path() -> str:
-    """The mpiexec that belongs to this environment's mpi4py (the mpich wheel), else the PATH one."""
-    candidate = venv_bin() / "mpiexec"
-    if candidate.exists():
-        return str(candidate)
-    found = shutil.which("mpiexec")
-    if not found:
-        raise ClusterError("no mpiexec found: install the mpich wheel (pip install mpich) or a system MPI")
-    return found
-
-
-def decode_wait_status(status: int) -> str:
-    """Hydra reports raw wait statuses: exit code << 8, or the signal in the low bits."""
-    if status == 0:
-        return "exit status 0"
-    if status & 0x7F:
-        sig = status & 0x7F
-        try:
-            name = signal.Signals(sig).name
-        except ValueError:
-            name = f"signal {sig}"
-        return f"killed by signal {sig} ({name})"
-    return f"exit status {status >> 8}"
-
-
-_EXIT_CODES_RE = re.compile(r"Exit codes: \[(?P<host>[^\]]+)\] (?P<codes>[0-9,]+)")
-
-
-def parse_exit_codes(output: str, ranks_by_host: dict[str, list[int]] | None = None) -> dict[int, int]:
-    """Per-rank wait statuses from `mpiexec -print-all-exitcodes` output (ranks in order per host)."""
-    result: dict[int, int] = {}
-    next_rank = 0
-    for match in _EXIT_CODES_RE.finditer(output):
-        codes = [int(c) for c in match.group("codes").split(",") if c]
-        host = match.group("host")
-        ranks = (ranks_by_host or {}).get(host) or list(range(next_rank, next_rank + len(codes)))
-        for rank, code in zip(ranks, codes):
-            result[rank] = code
-        next_rank += len(codes)
-    return result
-
-
-def culprits(codes: dict[int, int]) -> dict[int, int]:
-    """The ranks that died by themselves: MPI kills the others with SIGKILL (9) after the first death."""
-    nonzero = {r: c for r, c in codes.items() if c}
-    own = {r: c for r, c in nonzero.items() if c != 9}
-    return own or nonzero
 
 
 @dataclass
@@ -197,7 +143,10 @@ class DistCluster:
         mpi_args = ["-print-all-exitcodes"]
         if hosts:
             mpi_args += ["-hosts", ",".join(hosts)]
-        cfg.MPILauncher.mpi_cmd = [mpiexec_path()]
+        try:
+            cfg.MPILauncher.mpi_cmd = [mpiexec_path()]
+        except MpiexecNotFound as exc:
+            raise ClusterError(str(exc)) from None
         cfg.MPIEngineSetLauncher.mpi_args = mpi_args
         # A kill must not leave a half-dead cluster behind for long.
         cfg.LocalProcessLauncher.stop_seconds_until_kill = 3
@@ -264,7 +213,7 @@ class DistCluster:
     def _bootstrap(self) -> None:
         """Install the engine hooks and learn which engine is which rank."""
         view = self.client[:]
-        code = ("import nbdist._engine as __nbdist_engine\n"
+        code = ("import nbdist.rank.hooks as __nbdist_engine\n"
                 f"__nbdist_info = __nbdist_engine.setup({os.getpid()}, {socket.gethostname()!r})\n")
         view.execute(code, block=True, silent=True)
         infos = view.pull("__nbdist_info", block=True)
@@ -281,7 +230,7 @@ class DistCluster:
     def _start_watchdog(self) -> None:
         pids = [self.cluster.controller.process.pid] + [p.pid for p in self._mpiexec_procs()]
         me = psutil.Process()
-        cmd = [sys.executable, "-m", "nbdist._watchdog", str(os.getpid()), repr(me.create_time()),
+        cmd = [sys.executable, "-m", "nbdist.mpi.reaper", str(os.getpid()), repr(me.create_time()),
                self._profile_dir, repr(self._started_at), *map(str, pids)]
         self._watchdog = subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL,
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -393,7 +342,7 @@ class DistCluster:
                 pids.append(proc.pid)
         # Everything under the controller and mpiexec (engines, nannies, MPI proxies), taken
         # now: once ipyparallel has killed mpiexec, its children are orphans we can't find.
-        tree = _watchdog.process_trees(pids)
+        tree = reaper.process_trees(pids)
         if self.client is not None:
             try:
                 self.client.close(linger=0)
@@ -404,13 +353,13 @@ class DistCluster:
         except Exception as exc:
             if not quiet:
                 self._notify(f"ipyparallel could not stop the cluster cleanly ({exc!r}); killing it", "warning")
-        _watchdog.kill_procs([p for p in tree if _watchdog._alive(p.pid)], grace_s=2.0)
+        reaper.kill_procs([p for p in tree if reaper._alive(p.pid)], grace_s=2.0)
         self._close_output_files()
-        _watchdog.remove_orphan_segments(self._started_at)
+        reaper.remove_orphan_segments(self._started_at)
         if self._watchdog is not None:
             try:
-                self._watchdog.kill()
-                self._watchdog.wait(5)
+                self.reaper.kill()
+                self.reaper.wait(5)
             except Exception:
                 pass
             self._watchdog = None
@@ -476,6 +425,6 @@ class DistCluster:
 
 
 def _describe_on_engine():
-    import nbdist._engine
+    import nbdist.rank.hooks
 
-    return nbdist._engine.describe()
+    return nbdist.rank.hooks.describe()

@@ -8,19 +8,13 @@ lines tagged by rank.
 from __future__ import annotations
 
 import html
-import re
 import sys
 import time
-from dataclasses import dataclass, field
+
+from ..failure import FailureReport, RankError, rank_ranges, strip_ansi  # noqa: F401  (re-exported for the cell loop)
 
 MAX_LINES_PER_RANK = 400  # a chatty rank must not turn the notebook into a wall of text
 UPDATE_INTERVAL_S = 0.25  # how often the grouped block of the other ranks is redrawn
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-
-
-def strip_ansi(text: str) -> str:
-    return _ANSI.sub("", text)
 
 
 def in_kernel() -> bool:
@@ -192,68 +186,9 @@ class RankOutput:
             parts.append(f'<details><summary style="cursor:pointer;font-family:monospace">{label}</summary>'
                          f'<pre style="margin:2px 0 6px 16px;max-height:20em;overflow:auto">{body}</pre></details>')
         head = (f'<div style="font-family:monospace;font-size:85%;color:#555">output of rank'
-                f'{"s" if len(others) != 1 else ""} {_ranges(others)} (click to expand)</div>')
+                f'{"s" if len(others) != 1 else ""} {rank_ranges(others)} (click to expand)</div>')
         return {"text/plain": "\n".join(text_lines),
                 "text/html": f'<div class="nbdist-ranks">{head}{"".join(parts)}</div>'}
-
-
-def _ranges(ranks: list[int]) -> str:
-    """[0,1,2,5] -> '0-2, 5'."""
-    out = []
-    ranks = sorted(ranks)
-    i = 0
-    while i < len(ranks):
-        j = i
-        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
-            j += 1
-        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
-        i = j + 1
-    return ", ".join(out)
-
-
-# ---- failures -----------------------------------------------------------------------------
-
-@dataclass
-class RankError:
-    """One rank's error in a failed cell or run."""
-    rank: int
-    ename: str
-    evalue: str
-    traceback: list[str] = field(default_factory=list)
-    follow_on: bool = False
-
-
-@dataclass
-class FailureReport:
-    """The whole story of a failed cell: the cause first, then what followed."""
-    headline: str
-    primary: RankError | None = None
-    others: list[RankError] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-
-    def lines(self, color: bool = True) -> list[str]:
-        red, bold, dim, reset = ("\x1b[1;31m", "\x1b[1m", "\x1b[2m", "\x1b[0m") if color else ("",) * 4
-        out = [f"{red}nbdist: {self.headline}{reset}"]
-        if self.primary is not None:
-            out.append(f"{bold}--- traceback of rank {self.primary.rank} ---{reset}")
-            tb = self.primary.traceback or [f"{self.primary.ename}: {self.primary.evalue}"]
-            out.extend(tb if color else [strip_ansi(line) for line in tb])
-        if self.others:
-            out.append(f"{bold}--- {'the other ranks' if self.primary is not None else 'the ranks'} ---{reset}")
-            groups: dict[tuple[str, str], list[int]] = {}
-            for err in self.others:
-                first = err.evalue.splitlines()[0] if err.evalue else ""
-                groups.setdefault((err.ename, first[:300]), []).append(err.rank)
-            for (ename, evalue), ranks in groups.items():
-                label = "rank" if len(ranks) == 1 else "ranks"
-                out.append(f"{label} {_ranges(ranks)}: {ename}: {evalue}" if evalue else
-                           f"{label} {_ranges(ranks)}: {ename}")
-        for note in self.notes:
-            out.append(f"{dim}{note}{reset}" if color else note)
-        return out
-
-    def text(self) -> str:
-        return "\n".join(self.lines(color=False))
 
 
 class DistributedError(Exception):

@@ -153,7 +153,7 @@ class DistributedMagics(Magics):
 
     def _pin_gpus(self) -> None:
         view = self.cluster.client[self.cluster.engine_ids]
-        ar = view.execute("import nbdist._engine as __e; __e.pin_gpu(); del __e", block=False)
+        ar = view.execute("import nbdist.rank.hooks as __e; __e.pin_gpu(); del __e", block=False)
         ar.wait(30)
         try:
             ar.get(0)

@@ -1,8 +1,8 @@
-"""Pure formatting for the progress view: the text line, inline-SVG sparklines and the widget's HTML.
+"""Pure formatting for the progress view: inline-SVG sparklines and the widget's HTML.
 
-No imports beyond the standard library, so the engine side (text line under `nbdist run`) and
-the notebook side (widget, text fallback, saved-notebook snapshot) share one way of saying
-"how far, how fast, what the loss does" without pulling in ipywidgets.
+No ipywidgets here: the widget, the text fallback and the saved-notebook snapshot share
+one way of saying "how far, how fast, what the loss does". The one-line text form lives
+with the rank side (nbdist.rank.textline), which `nbdist run` uses too.
 
 Why inline SVG in HTML for the live chart: an ipywidgets.HTML value is plain widget state, so
 it is saved with the notebook (nbclient's store_widget_state, JupyterLab's "save widget
@@ -18,6 +18,9 @@ import html
 import math
 from typing import Iterable, Mapping, Sequence
 
+from ..rank.textline import (  # noqa: F401  (re-exported: the view formats with these too)
+    eta_seconds, format_duration, format_rate, format_step, format_text_line, format_value)
+
 STATE_COLOURS = {
     "running": "#1f6fb2",
     "done": "#2e7d32",
@@ -28,85 +31,6 @@ STATE_COLOURS = {
     "waiting": "#757575",
 }
 SPARK_POINTS = 120  # points drawn per sparkline: enough for a trend, small widget state
-
-
-def format_duration(seconds: float | None) -> str:
-    """0:07, 3:25, 1:02:03 — the way tqdm prints times."""
-    if seconds is None or not math.isfinite(seconds) or seconds < 0:
-        return "?"
-    seconds = int(round(seconds))
-    hours, rest = divmod(seconds, 3600)
-    minutes, secs = divmod(rest, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
-
-
-def format_rate(rate: float | None) -> str:
-    """Steps per second, or seconds per step when slower than one a second."""
-    if not rate or not math.isfinite(rate) or rate <= 0:
-        return "? it/s"
-    return f"{rate:.3g} it/s" if rate >= 1 else f"{1 / rate:.3g} s/it"
-
-
-def format_value(value) -> str:
-    """A metric value short enough for one line: 4 significant digits."""
-    if isinstance(value, bool):
-        return str(value)
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            return str(value)
-        return f"{value:.4g}"
-    return str(value)
-
-
-def format_step(step: int | None, total: int | None) -> str:
-    """'120/200 (60%)' or 'step 120' when the total is unknown."""
-    if step is None:
-        return "no steps reported"
-    if total:
-        return f"{step}/{total} ({100.0 * min(step, total) / total:.0f}%)"
-    return f"step {step}"
-
-
-def format_text_line(*, step: int | None, total: int | None, elapsed: float | None,
-                     rate: float | None, metrics: Mapping | None = None, desc: str | None = None,
-                     state: str | None = None, ranks: Sequence[Mapping] | None = None) -> str:
-    """One progress line: '[nbdist] epoch 2: 120/200 (60%) 0:07<0:05 16.2 it/s loss=0.123'."""
-    parts = ["[nbdist]"]
-    if state and state != "running":
-        parts.append(state + ":")
-    if desc:
-        parts.append(f"{desc}:")
-    parts.append(format_step(step, total))
-    eta = _eta(step, total, rate) if state in (None, "running") else None
-    timing = format_duration(elapsed)
-    if eta is not None:
-        timing += "<" + format_duration(eta)
-    parts.append(timing)
-    parts.append(format_rate(rate))
-    for name, value in (metrics or {}).items():
-        parts.append(f"{name}={format_value(value)}")
-    if ranks and len(ranks) > 1:
-        parts.append("| ranks " + " ".join(_rank_word(r) for r in ranks))
-    return " ".join(parts)
-
-
-def _rank_word(rank: Mapping) -> str:
-    step = "-" if rank.get("step") is None else str(rank["step"])
-    state = rank.get("state", "running")
-    return f"{rank['rank']}:{step}" + ("" if state == "running" else f"({state})")
-
-
-def _eta(step, total, rate) -> float | None:
-    if not total or step is None or not rate or rate <= 0:
-        return None
-    return max(total - step, 0) / rate
-
-
-def eta_seconds(step: int | None, total: int | None, rate: float | None) -> float | None:
-    """Seconds left at the current rate, or None when it cannot be known."""
-    return _eta(step, total, rate)
 
 
 def downsample(values: Sequence[float], points: int = SPARK_POINTS) -> list[float]:
@@ -150,7 +74,7 @@ def status_html(*, state: str, step: int | None, total: int | None, elapsed: flo
     label = state
     if state == "failed" and failed_rank is not None:
         label = f"failed on rank {failed_rank}"
-    eta = _eta(step, total, rate) if state == "running" else None
+    eta = eta_seconds(step, total, rate) if state == "running" else None
     timing = format_duration(elapsed) + (f" &lt; {format_duration(eta)}" if eta is not None else "")
     bits = [f'<b class="nbdist-state" data-state="{html.escape(state)}" '
             f'style="color:{colour}">{html.escape(label)}</b>']

@@ -2,11 +2,11 @@
 
 The %%distributed wait loop calls::
 
-    view = nbdist.progress_view.attach(async_result, n_ranks=N, widgets=not args.no_widgets)
+    view = nbdist.notebook.progress_view.attach(async_result, n_ranks=N, widgets=not args.no_widgets)
     view.poll()                          # every ~0.1-0.2 s while the cell runs
     view.finish(state, failed_rank=None) # state: "done" | "failed" | "interrupted" | "timeout"
 
-`async_result.data` holds, per engine, what nbdist.metrics published through ipyparallel's
+`async_result.data` holds, per engine, what nbdist.rank.report published through ipyparallel's
 datapub (the engine's IOPub): the rank's latest state and rank 0's history points. RunState
 turns those into the view model (rank 0 headline, rate, ETA, per-rank steps and states);
 WidgetView draws it as one ipywidgets widget, TextView as a progress line. The last run stays
@@ -22,7 +22,8 @@ from collections import deque
 from typing import Any, Mapping, Sequence
 
 from . import progress_render as render
-from .metrics import HISTORY_PREFIX, STATE_KEY, text_interval
+from ..rank.report import text_interval
+from ..wire import HISTORY_PREFIX, STATE_KEY
 
 RATE_WINDOW_S = 10.0  # rate and ETA follow the last 10 s of rank 0's steps
 FINAL_STATES = ("done", "failed", "interrupted", "timeout")

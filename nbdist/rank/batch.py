@@ -8,34 +8,26 @@ then stops whatever is still running.
 """
 from __future__ import annotations
 
-import json
 import os
 import runpy
 import sys
 import time
 import traceback
 
+from ..mpi.ranks import env_rank
+from ..wire import REPORT_DIR_ENV, write_error_record
+
 FOLLOW_ON = {"AbortedError"}
 
 
-def _rank() -> int:
-    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
-        if var in os.environ:
-            return int(os.environ[var])
-    return 0
-
-
 def _report(rank: int, exc: BaseException, tb_lines: list[str]) -> None:
-    folder = os.environ.get("NBDIST_REPORT_DIR")
+    folder = os.environ.get(REPORT_DIR_ENV)
     if not folder:
         sys.stderr.write("".join(tb_lines))
         return
     record = {"rank": rank, "ename": type(exc).__name__, "evalue": str(exc),
               "traceback": tb_lines, "time": time.time(), "follow_on": type(exc).__name__ in FOLLOW_ON}
-    tmp = os.path.join(folder, f".rank-{rank}.json")
-    with open(tmp, "w") as f:
-        json.dump(record, f)
-    os.replace(tmp, os.path.join(folder, f"rank-{rank}.json"))  # the launcher never reads half a file
+    write_error_record(folder, record)
 
 
 def _abort_peers(rank: int, exc: BaseException) -> bool:
@@ -63,12 +55,12 @@ def _user_frames(exc: BaseException) -> list[str]:
 
 def main(argv: list[str]) -> int:
     if not argv:
-        print("usage: python -m nbdist._rankmain SCRIPT [ARGS...]", file=sys.stderr)
+        print("usage: python -m nbdist.rank.batch SCRIPT [ARGS...]", file=sys.stderr)
         return 2
     script = argv[0]
     sys.argv = list(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    rank = _rank()
+    rank = env_rank() or 0
     # One write per line: mpiexec tags each write with the rank, so a print must not be split.
     for stream in (sys.stdout, sys.stderr):
         try:

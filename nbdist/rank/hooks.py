@@ -17,6 +17,8 @@ import sys
 import threading
 import time
 
+from ..mpi.ranks import env_local_rank
+
 _KERNEL_WATCH_S = 1.0
 ABORT_WAIT_S = 6.0
 _state: dict = {"rank": None}
@@ -106,13 +108,6 @@ def _gpu_count() -> int:
         return 0
 
 
-def _local_rank() -> int:
-    for var in ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "PMI_LOCAL_RANK"):
-        if var in os.environ:
-            return int(os.environ[var])
-    return 0
-
-
 def setup(kernel_pid: int | None, kernel_host: str) -> dict:
     """Install the engine hooks once; return this rank's description."""
     rank, size = _mpi_rank_size()
@@ -149,7 +144,7 @@ def describe() -> dict:
             transports = _transports_in_use(common)
     return {
         "rank": rank, "size": size, "host": socket.gethostname(), "pid": os.getpid(),
-        "local_rank": _local_rank(), "gpus": _gpu_count(),
+        "local_rank": env_local_rank(), "gpus": _gpu_count(),
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "runtime": "initialized" if initialized else "not initialized", "transports": transports,
     }
@@ -185,6 +180,6 @@ def pin_gpu() -> str:
                            f"{socket.gethostname()}")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     devices = [d.strip() for d in visible.split(",")] if visible else [str(i) for i in range(count)]
-    chosen = devices[_local_rank() % len(devices)]
+    chosen = devices[env_local_rank() % len(devices)]
     os.environ["CUDA_VISIBLE_DEVICES"] = chosen
     return chosen

@@ -8,7 +8,7 @@ most 10 messages a second per rank), never blocks on the network and is never a 
 Where the values go depends on where the code runs:
 - inside an ipyparallel engine (a `%%distributed` cell): `ipyparallel.datapub.publish_data`, the
   engine's own IOPub channel, which lands in the cell's `AsyncResult.data` on the notebook side
-  (read by nbdist.progress_view);
+  (read by nbdist.notebook.progress_view);
 - anywhere else (`nbdist run`, `mpiexec python train.py`, plain python): rank 0 writes a text
   progress line to stderr (rewritten in place on a terminal, one line every NBDIST_TEXT_INTERVAL
   seconds, default 5, in a log), and the other ranks stay silent.
@@ -24,9 +24,9 @@ import sys
 import time
 from typing import Any, Iterable, Iterator
 
-# Keys in the engine's published data (one dict per engine in AsyncResult.data).
-STATE_KEY = "nbdist.progress"  # the rank's latest state, replaced on every publish
-HISTORY_PREFIX = "nbdist.h."  # + index: one history point of rank 0; new keys, so none is lost
+from ..mpi.ranks import env_rank
+from ..wire import HISTORY_PREFIX, STATE_KEY  # noqa: F401  (tests and views import them from here too)
+
 HISTORY_CAP = 20000  # points per cell before rank 0 thins its history (doubling the stride)
 
 
@@ -52,10 +52,9 @@ def detect_rank() -> int:
                 return int(common.rank())
         except Exception:  # a half-imported or shut-down runtime: fall through to the launcher
             pass
-    for name in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"):
-        value = os.environ.get(name)
-        if value and value.isdigit():
-            return int(value)
+    launched = env_rank()
+    if launched is not None:
+        return launched
     kernel = _engine_kernel()
     if kernel is not None and getattr(kernel, "engine_id", -1) >= 0:
         return int(kernel.engine_id)
@@ -132,7 +131,7 @@ class _TextSink:
         return False
 
     def emit(self, state: dict, point: tuple | None, index: int, final: bool) -> None:
-        from .progress_render import format_text_line
+        from .textline import format_text_line
 
         now = state["time"]
         if self._t0 is None or state["step"] < (self._first_step or 0):

@@ -177,10 +177,10 @@ def test_fit_with_distributed_optimizer_and_callbacks(tmp_path_factory):
 
 
 def test_progress_callback_reports_every_batch(monkeypatch):
-    import nbdist.metrics
+    import nbdist.rank.report
 
     seen = []
-    monkeypatch.setattr(nbdist.metrics, "report", lambda **kw: seen.append(kw))
+    monkeypatch.setattr(nbdist.rank.report, "report", lambda **kw: seen.append(kw))
     x, y = data(rows=32, seed=2)
     model = make_model(seed=7)
     model.compile(optimizer=hvdk.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse")

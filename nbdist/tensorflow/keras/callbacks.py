@@ -11,7 +11,7 @@ import numpy as np
 import tensorflow as tf
 
 from nbdist import common as _c
-from nbdist.metrics import KerasProgress  # the reporting logic shared with keras_progress_callback
+from nbdist.rank.report import KerasProgress  # the reporting logic shared with keras_progress_callback
 
 from ..functions import broadcast_variables
 
@@ -209,7 +209,7 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
 class ProgressCallback(KerasProgress, Callback):
     """Report training to the notebook's progress widget (nbdist.report).
 
-    Every batch is reported (rate-limited by nbdist.metrics), every epoch end is
+    Every batch is reported (rate-limited by nbdist.rank.report), every epoch end is
     flushed so each epoch's validation metrics stay in the history.
     """
 

@@ -1,0 +1,41 @@
+"""The wire format between a rank and the side that watches it (notebook kernel or `nbdist run`).
+
+Both sides import this module and nothing else of each other, so the batch path never
+pulls in the notebook side and a key is spelled in one place.
+
+- Progress: a rank publishes dicts through ipyparallel's datapub (`AsyncResult.data` on the
+  notebook side): STATE_KEY holds the rank's latest state, HISTORY_PREFIX + index one point
+  of rank 0's metric history.
+- Errors under `nbdist run`: a failing rank writes one JSON record per rank into the folder
+  named by REPORT_DIR_ENV; the launcher reads them back after mpiexec exits.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+STATE_KEY = "nbdist.progress"  # the rank's latest state, replaced on every publish
+HISTORY_PREFIX = "nbdist.h."  # + index: one history point of rank 0; new keys, so none is lost
+
+REPORT_DIR_ENV = "NBDIST_REPORT_DIR"
+
+
+def write_error_record(folder: str, record: dict) -> None:
+    """Write one rank's error record atomically (the launcher never reads half a file)."""
+    rank = record["rank"]
+    tmp = os.path.join(folder, f".rank-{rank}.json")
+    with open(tmp, "w") as f:
+        json.dump(record, f)
+    os.replace(tmp, os.path.join(folder, f"rank-{rank}.json"))
+
+
+def read_error_records(folder: str) -> list[dict]:
+    """Every complete error record in the folder, in file-name order."""
+    records = []
+    for path in sorted(Path(folder).glob("rank-*.json")):
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return records
