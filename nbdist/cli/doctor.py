@@ -9,7 +9,8 @@ import platform
 import sys
 
 FRAMEWORKS = ("numpy", "ml_dtypes", "mpi4py", "mpich", "torch", "tensorflow", "cupy-cuda12x",
-              "jax", "ipyparallel", "nvidia-nccl-cu12", "nvidia-cuda-runtime-cu12")
+              "cupy-cuda13x", "jax", "ipyparallel", "nvidia-nccl-cu12", "nvidia-nccl-cu13",
+              "nvidia-cuda-runtime-cu12", "nvidia-cuda-runtime")  # the last: CUDA 13's name
 
 
 def _version(dist: str) -> str | None:
@@ -32,7 +33,9 @@ def native_report() -> list[str]:
 
     reason = load_nccl()
     if _native.nccl_built():
-        version = _native.nccl_version()
+        code = _native.nccl_version()  # NCCL_VERSION_CODE: 2.29.7 is 22907 (1000s before 2.9)
+        version = (f"{code // 10000}.{code // 100 % 100}.{code % 100}" if code >= 20900
+                   else f"{code // 1000}.{code // 100 % 10}.{code % 100}")
         lines.append(f"  NCCL            loaded (version {version}); {reason or 'usable'}")
     else:
         lines.append(f"  NCCL            not usable here: {reason}")
