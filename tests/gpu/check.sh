@@ -91,11 +91,12 @@ make_venv() {
     # A venv of the image's base interpreter that also sees the image's packages (torch,
     # CuPy, NCCL, pytest) after its own: mpich's mpiexec and libmpi live under its prefix,
     # where mpi4py looks, and the tests' kernels and ranks run its bin/python.
-    local image_site venv_site
-    image_site=$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    local image_sites venv_site
+    image_sites=$("$PYTHON" -c 'import os, sys; print(repr([p for p in sys.path if os.path.isdir(p) and os.path.basename(p) in ("site-packages", "dist-packages")]))')
     "$PYTHON" -m venv --without-pip --clear "$VENV"
     venv_site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-    echo "import site; site.addsitedir('$image_site')" >"$venv_site/_nbdist_image.pth"
+    echo "import site; list(map(site.addsitedir, $image_sites))" >"$venv_site/_nbdist_image.pth"
+    "$VENV/bin/python" -c 'import torch, pytest, pip; print("the venv sees torch", torch.__version__)'
     "$VENV/bin/python" -m pip install -q --no-index --no-deps --ignore-installed --no-compile \
         --no-cache-dir "$WHEELS"/*.whl
     touch "$VENV/.wheels-installed"
@@ -118,8 +119,8 @@ doctor() {
 
 gpu_tests() {
     "$VENV/bin/python" -m pytest -v -rs -p no:cacheprovider --timeout 300 \
-        --junitxml "$OUT/pytest.xml" tests/test_gpu_nccl.py tests/test_torch_cuda.py \
-        tests/test_gpu_pinning.py
+        --junitxml "$OUT/pytest.xml" tests/test_gpu_nccl.py tests/test_gpu_pinning.py \
+        tests/test_torch_cuda.py  # last: its final test starts MPI inside pytest itself
 }
 
 bench() {

@@ -234,7 +234,6 @@ def test_distributed_optimizer_trains_a_cuda_model(device):
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
                                    named_parameters=model.named_parameters())
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    hvd.broadcast_optimizer_state(opt, root_rank=0)
     gen = torch.Generator(device="cpu").manual_seed(100 + RANK)  # each rank its own shard
     w = torch.linspace(-1, 1, 16)
     x = torch.randn(256, 16, generator=gen)
