@@ -33,21 +33,26 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 from mpi4py import MPI
+from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from collectives import human, parse_size  # noqa: E402  (the sibling benchmark's helpers)
-
-import nbdist.torch as hvd  # noqa: E402
-from nbdist.common.config import Config  # noqa: E402
-from nbdist.common.ops_base import ReduceOp  # noqa: E402
-from nbdist.common.topology import Topology  # noqa: E402
-from nbdist.common.transports.select import TransportSet  # noqa: E402
+import nbdist.torch as hvd
+from nbdist.common.config import Config
+from nbdist.common.ops_base import ReduceOp
+from nbdist.common.topology import Topology
+from nbdist.common.transports.select import TransportSet
 
 COMM = MPI.COMM_WORLD
 IMPLS = ("nbdist-raw", "nbdist", "torch")
+
+
+def _sibling():
+    """benchmarks/collectives.py, for its size helpers (parse_size, human)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import collectives
+
+    return collectives
 
 
 def parse_args(argv=None):
@@ -169,7 +174,7 @@ def bench_allreduce(args, device, size: int) -> list[dict]:
     ar = Allreduces(device)
     rows = []
     try:
-        for nbytes in [parse_size(s) for s in args.sizes.split(",")]:
+        for nbytes in [_sibling().parse_size(s) for s in args.sizes.split(",")]:
             buf = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
             iters = {}
             for impl in IMPLS:  # warm up (communicators, caches), then size the measurement
@@ -183,7 +188,7 @@ def bench_allreduce(args, device, size: int) -> list[dict]:
             del buf
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            row = {"bytes": nbytes, "size": human(nbytes)}
+            row = {"bytes": nbytes, "size": _sibling().human(nbytes)}
             for impl in IMPLS:
                 t = statistics.median(times[impl])
                 algbw = nbytes / t / 1e9
@@ -242,8 +247,8 @@ def bench_resnet(args, device, size: int) -> dict:
 
 def tables(meta: dict, rows: list[dict], resnet: dict | None) -> str:
     n = meta["ranks"]
-    out = [f"{n} rank(s) on {meta['device']}; NCCL {meta['nccl']}; torch {meta['torch']}; "
-           f"nbdist transport for this buffer: {meta['transport']}", ""]
+    out = [(f"{n} rank(s) on {meta['device']}; NCCL {meta['nccl']}; torch {meta['torch']}; "
+           f"nbdist transport for this buffer: {meta['transport']}"), ""]
     out.append("| allreduce | " + " | ".join(f"{i} time | {i} algbw | {i} busbw" for i in IMPLS)
                + " | raw time vs torch | engine time vs torch |"
                + (" raw busbw vs torch | engine busbw vs torch |" if n > 1 else ""))
@@ -259,8 +264,8 @@ def tables(meta: dict, rows: list[dict], resnet: dict | None) -> str:
     out.append("GB/s; busbw = algbw × 2(n-1)/n (nccl-tests)" + (" — 0 with one rank, so compare times"
                                                              if n == 1 else ""))
     if resnet:
-        out += ["", f"{resnet['model']}, {resnet['batch_per_rank']} images/rank/step at "
-                    f"{resnet['image']}×{resnet['image']}, {resnet['steps']} steps × {meta['rounds']} rounds", "",
+        out += ["", (f"{resnet['model']}, {resnet['batch_per_rank']} images/rank/step at "
+                    f"{resnet['image']}×{resnet['image']}, {resnet['steps']} steps × {meta['rounds']} rounds"), "",
                 "| training | images/s (all ranks) | per round |", "|---|---|---|"]
         for name, label in (("nbdist", "nbdist DistributedOptimizer"), ("ddp", "torch DDP")):
             out.append(f"| {label} | {resnet[f'{name}_images_per_s']:.1f} | "

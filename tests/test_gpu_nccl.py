@@ -2,8 +2,8 @@
 NCCL, the CUDA runtime, torch with CUDA, or a GPU is missing, as on CI; the checks of the
 one-rank-per-GPU rule that need no GPU run everywhere."""
 import pytest
-
 from conftest import run_rank_tests
+
 from nbdist.common.transports.nccl import shared_gpu_error
 
 

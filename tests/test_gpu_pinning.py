@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import os
 
-import pytest
-
 import nbharness as h
+import pytest
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -1,7 +1,6 @@
 """nbdist.torch on CUDA tensors (the NCCL path): runs where a GPU and NCCL exist, one
 rank per GPU; skips with the reason elsewhere."""
 import pytest
-
 from conftest import run_rank_tests
 from test_gpu_nccl import skip_unless
 
@@ -31,8 +30,8 @@ def test_cuda_tensors_without_nccl_are_staged_through_host_memory(monkeypatch):
     """Where NCCL is missing, CUDA tensors still work (copied to the CPU and back)."""
     import torch
 
-    import nbdist.common as common
     import nbdist.torch as hvd
+    from nbdist import common
 
     monkeypatch.setattr(common, "nccl_built", lambda: False)
     hvd.init()

@@ -213,7 +213,7 @@ def test_torch_reducescatter(device, dtype):
 @pytest.mark.usefixtures("runtime")
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_common_on_cupy(device, dtype):
-    import nbdist.common as common
+    from nbdist import common
 
     kind = f"cupy-{dtype}"
     a = on_gpu(kind, pattern(RANK, 10_000), device)

@@ -1,5 +1,4 @@
 """The NCCL transport on torch CUDA tensors, one GPU per rank (run by tests/test_gpu_nccl.py)."""
-import numpy as np
 import pytest
 import torch
 from mpi4py import MPI

@@ -8,8 +8,8 @@ import pytest
 import torch
 from mpi4py import MPI
 
-import nbdist.common as common
 import nbdist.torch as hvd
+from nbdist import common
 from nbdist.common.config import Config
 from nbdist.common.ops_base import ReduceOp
 from nbdist.common.topology import Topology
