@@ -141,4 +141,5 @@ step gpu_tests 330 60
 step bench 150 0
 echo "== total $(($(date +%s) - START)) s; logs in $OUT"
 cat "$OUT/summary.txt"
+sleep 1  # let tee finish writing check.log before the files are collected
 exit $FAILED
