@@ -8,7 +8,7 @@ from conftest import run_rank_tests
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None,
                                 reason="PyTorch is not installed")
 
-RANK_FILES = ["torch_ops.py", "torch_autograd.py", "torch_training.py"]
+RANK_FILES = ["torch_ops.py", "torch_autograd.py", "torch_training.py", "torch_horovod_compat.py"]
 
 
 @pytest.mark.timeout(420)

@@ -99,6 +99,7 @@ class Engine:
         self._last_alive_check = 0.0
         self._last_stall_check = 0.0
         self.auto_name_counter = 0
+        self.join_round = 0  # completed join() calls: part of unnamed ops' names
         self.last_response_at = 0.0
         self.coordinator = (Coordinator(self.size, config.fusion_threshold, config.cache_capacity,
                                         config.stall_warning_s, config.timeout_s, warn=self._warn)
@@ -112,7 +113,16 @@ class Engine:
     def auto_name(self, kind: str) -> str:
         """A name for an unnamed op; the counter restarts at each epoch so ranks stay aligned."""
         self.auto_name_counter += 1
-        return f"{kind}.noname.{self.epoch}.{self.auto_name_counter}"
+        return f"{kind}.noname.{self.epoch}.{self.join_round}.{self.auto_name_counter}"
+
+    def joined_all(self) -> None:
+        """Every rank completed join(): restart the unnamed-op numbering in step.
+
+        A joined rank skipped the unnamed ops the others ran meanwhile, so their counters
+        differ; join's completion is an event every rank sees, the place to realign.
+        """
+        self.join_round += 1
+        self.auto_name_counter = 0
 
     def submit(self, request: Request) -> None:
         """Queue an op; raises at once if its name is already in flight on this rank."""

@@ -10,7 +10,7 @@ from typing import Callable
 
 import numpy as np
 
-from .ops_base import ReduceOp, numpy_dtype
+from .ops_base import ReduceOp, is_half, numpy_dtype
 from .requests import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN,
                        REDUCESCATTER, Request, Response, make_error)
 
@@ -43,19 +43,29 @@ class Executor:
 
     @staticmethod
     def _scale(buf: np.ndarray, factor: float) -> None:
+        """Multiply in place as Horovod's CPU ops do: integers in float64 (truncating back),
+        16-bit floats in float32 (the factor is not rounded to 16 bits), others in their dtype."""
         if factor == 1.0 or buf.size == 0:
             return
         if buf.dtype.kind in "iu":
-            np.multiply(buf, factor, out=buf, casting="unsafe")
+            np.multiply(buf, np.float64(factor), out=buf, casting="unsafe")
+        elif is_half(buf.dtype):
+            np.multiply(buf, np.float32(factor), out=buf, casting="unsafe")
         else:
             buf *= buf.dtype.type(factor)
 
     def _finish_reduction(self, buf: np.ndarray, resp: Response) -> None:
         post = resp.postscale
         if resp.op == ReduceOp.Average:
-            if buf.dtype.kind in "iu":  # integer average: floor division, after the postscale
-                self._scale(buf, post)
-                np.floor_divide(buf, self.size, out=buf)
+            if buf.dtype.kind in "iu":
+                if post != 1.0:  # Horovod: one float64 multiply by post/size, truncated
+                    self._scale(buf, post / self.size)
+                    return
+                # exact integer division rounding toward zero (Horovod truncates)
+                quotient = np.floor_divide(buf, self.size)
+                if buf.dtype.kind == "i":
+                    quotient += (buf < 0) & (quotient * self.size != buf)
+                buf[...] = quotient
                 return
             post = post / self.size
         self._scale(buf, post)

@@ -18,7 +18,10 @@ from .requests import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN,
 from .ops_base import ReduceOp
 
 JOIN_NAME = "__nbdist.join__"
-KINDS_WITH_JOINED = {ALLREDUCE, ALLGATHER, BROADCAST, BARRIER, JOIN}
+# What may run while some ranks have joined (Horovod): allreduce (joined ranks add zeros,
+# Average still divides by the full size) and barrier. An allgather or broadcast would
+# silently lose the joined ranks' data, so it fails on the ranks that submitted it.
+KINDS_WITH_JOINED = {ALLREDUCE, BARRIER, JOIN}
 
 
 def rank_list(ranks) -> str:
@@ -291,8 +294,8 @@ class Coordinator:
             return _mismatch(name, "op", "the kind of op", kinds)
         if self.joined and kind not in KINDS_WITH_JOINED:
             return ("CollectiveError", f"{kind} '{name}' cannot run while "
-                    f"{rank_list(self.joined)} joined; only allreduce, allgather, broadcast "
-                    "and barrier go on after join()")
+                    f"{rank_list(self.joined)} joined; only allreduce and barrier go on while a "
+                    "rank has joined (as in Horovod)")
         if kind in (BARRIER, JOIN):
             return None
         checks = [("dtype", field_of(SIG_DTYPE)), ("device", field_of(SIG_DEVICE))]

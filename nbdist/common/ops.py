@@ -342,7 +342,9 @@ def join() -> int:
     req = Request(name=JOIN_NAME, kind=JOIN, array=None, inplace=False,
                   signature=signature(JOIN, None), handle=Handle(JOIN_NAME), named=False)
     engine.submit(req)
-    return synchronize(req.handle)
+    last = synchronize(req.handle)
+    engine.joined_all()
+    return last
 
 
 def _pickle(obj) -> np.ndarray:
@@ -360,7 +362,9 @@ def _unpickle(data: np.ndarray):
 def broadcast_object(obj, root_rank: int = 0, name: str | None = None):
     """root_rank's Python object on every rank (serialized with cloudpickle)."""
     root = _check_root(root_rank, "broadcast_object")
-    base = name or basics.engine().auto_name("broadcast_object")
+    # A fixed default name (as Horovod's), not a numbered one: ranks that ran different
+    # numbers of unnamed ops (a joined rank skipped some) must still agree on it.
+    base = name or "broadcast_object"
     payload = _pickle(obj) if basics.rank() == root else np.empty(0, np.uint8)
     size = broadcast(np.array([payload.size], np.int64), root, name=f"{base}.size")
     data = payload if basics.rank() == root else np.empty(int(size[0]), np.uint8)
@@ -370,7 +374,7 @@ def broadcast_object(obj, root_rank: int = 0, name: str | None = None):
 
 def allgather_object(obj, name: str | None = None) -> list:
     """Every rank's Python object, as a list in rank order."""
-    base = name or basics.engine().auto_name("allgather_object")
+    base = name or "allgather_object"  # fixed, as broadcast_object's
     payload = _pickle(obj)
     sizes = allgather(np.array([payload.size], np.int64), name=f"{base}.sizes")
     data = allgather(payload, name=f"{base}.data")

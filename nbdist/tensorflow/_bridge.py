@@ -18,6 +18,8 @@ from typing import Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
+from nbdist.common import errors as _errors
+
 # A submit callable takes numpy arrays and returns a `wait` callable that blocks and
 # returns the list of result arrays.
 Submit = Callable[..., Callable[[], list]]
@@ -52,6 +54,47 @@ def in_xla_context() -> bool:
         return False
 
 
+# nbdist's collective errors as the TensorFlow error types Horovod's TF ops raise.
+_TF_ERROR_OF = (
+    (_errors.MismatchError, tf.errors.FailedPreconditionError),
+    (_errors.CollectiveTimeoutError, tf.errors.DeadlineExceededError),
+    (_errors.AbortedError, tf.errors.AbortedError),
+    # bad input, found before anything is sent: TF's kernels say InvalidArgument
+    (ValueError, tf.errors.InvalidArgumentError),
+    (TypeError, tf.errors.InvalidArgumentError),
+)
+_CONVERTED = (_errors.CollectiveError, ValueError, TypeError)
+_dual_classes: dict = {}
+
+
+def _dual_class(ours: type, theirs: type) -> type:
+    """A class that is both our error and TensorFlow's, so either `except` catches it."""
+    cls = _dual_classes.get(ours)
+    if cls is None:
+        def __init__(self, message):
+            theirs.__init__(self, None, None, message)
+
+        cls = type(ours.__name__, (ours, theirs), {"__init__": __init__,
+                                                    "__module__": __name__})
+        _dual_classes[ours] = cls
+    return cls
+
+
+def tf_error(exc: BaseException, in_graph: bool) -> BaseException:
+    """The exception to raise for an nbdist error (or bad input) inside a TF collective.
+
+    Eagerly it is an instance of both classes (our MismatchError and TF's
+    FailedPreconditionError, ...). Inside a graph TensorFlow keeps the status code only of
+    a plain tf.errors.OpError raised from the Python op, so there it is TF's class.
+    """
+    for ours, theirs in _TF_ERROR_OF:
+        if isinstance(exc, ours) and not isinstance(exc, tf.errors.OpError):
+            if in_graph:
+                return theirs(None, None, str(exc))
+            return _dual_class(ours, theirs)(str(exc))
+    return exc
+
+
 def _register(wait: Callable[[], list]) -> np.int64:
     with _pending_lock:
         handle = next(_handle_ids)
@@ -73,7 +116,13 @@ def run(submit: Submit, inputs: Sequence, out_dtypes: Sequence[tf.DType],
     out_dtypes = [tf.as_dtype(d) for d in out_dtypes]
     if executing_eagerly():
         arrays = [to_numpy(t) for t in inputs]
-        results = submit(*arrays)()
+        try:
+            results = submit(*arrays)()
+        except _CONVERTED as exc:
+            converted = tf_error(exc, in_graph=False)
+            if converted is exc:
+                raise
+            raise converted from None
         return [tf.convert_to_tensor(np.asarray(r, dtype=d.as_numpy_dtype))
                 for r, d in zip(results, out_dtypes)]
     if in_xla_context():
@@ -89,7 +138,13 @@ def run(submit: Submit, inputs: Sequence, out_dtypes: Sequence[tf.DType],
 
     @tf.autograph.experimental.do_not_convert
     def _wait(handle):
-        results = _take(handle)()
+        try:
+            results = _take(handle)()
+        except _errors.CollectiveError as exc:
+            converted = tf_error(exc, in_graph=True)
+            if converted is exc:
+                raise
+            raise converted from None
         # numpy_function insists on the exact declared dtypes.
         return [np.asarray(r, dtype=d.as_numpy_dtype, order="C")
                 for r, d in zip(results, out_dtypes)]

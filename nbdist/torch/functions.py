@@ -85,9 +85,16 @@ def broadcast_optimizer_state(optimizer, root_rank, process_set=global_process_s
     ranks (no step taken): root's state_dict layout (with tensors replaced by their shape
     and dtype) goes out with broadcast_object, then the tensors themselves with tensor
     broadcasts, and every rank loads the result with load_state_dict. Parameters are not
-    touched (unlike Horovod's dummy step, which can move them under weight decay).
+    touched (unlike Horovod's dummy step, which can move them under weight decay); as
+    with Horovod, parameters that require a gradient and have none get a zero one.
     """
     check_process_set(process_set, "broadcast_optimizer_state")
+    # Horovod's version takes a dummy step, which leaves a zero gradient on every
+    # parameter that requires one; code written for it reads p.grad afterwards.
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
     is_root = _c.rank() == root_rank
     state = optimizer.state_dict()
     local_tensors: list = []

@@ -284,6 +284,57 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
     return [compression.decompress(t, ctx) for t, ctx in zip(reduced, ctxs)]
 
 
+# ---------------------------------------------------------------- sparse allreduce
+
+class _SparseHandle(Handle):
+    """sparse_allreduce_async's handle: call it (as in Horovod) or pass it to synchronize()."""
+
+    __slots__ = ("parts", "_build")
+
+    def __init__(self, parts: list, build: Callable):
+        super().__init__(None, None)
+        self.parts, self._build = parts, build
+
+    def poll(self) -> bool:
+        return all(p.poll() for p in self.parts)
+
+    def wait(self):
+        if self._state != "done":
+            self._output, self._state = self._build(*_ListHandle(self.parts).wait()), "done"
+        return self._output
+
+    __call__ = wait
+
+
+def sparse_allreduce_async(tensor, name, op, process_set=global_process_set) -> Handle:
+    """Start reducing a sparse COO tensor by gathering every rank's indices and values.
+
+    The result (calling the handle, or synchronize(handle)) is a sparse tensor holding
+    every rank's entries (duplicates are summed when it is coalesced), divided by the
+    number of ranks for Average.
+    """
+    op = _reduce_op(op, None, "sparse_allreduce_async")
+    if op not in (Average, Sum):
+        raise ValueError(f"sparse_allreduce_async supports op=hvd.Average or hvd.Sum, got {op.name}")
+    check_process_set(process_set, "sparse_allreduce_async")
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:
+        raise TypeError("sparse_allreduce_async expects a sparse COO tensor "
+                        f"(tensor.to_sparse()), got {type(tensor).__name__}")
+    # allgather concatenates rows: send the indices as (nnz, sparse_dims) rows
+    indices = tensor._indices().transpose(0, 1).contiguous()
+    values = tensor._values().contiguous()
+    parts = [_allgather_submit(indices, None if name is None else f"{name}.indices"),
+             _allgather_submit(values, None if name is None else f"{name}.values")]
+
+    def build(all_indices, all_values):
+        if op == Average:
+            all_values = all_values / _c.size()
+        return torch.sparse_coo_tensor(all_indices.transpose(0, 1), all_values, tensor.size(),
+                                       check_invariants=False)
+
+    return _SparseHandle(parts, build)
+
+
 # ---------------------------------------------------------------- allgather
 
 def _allgather_submit(tensor, name) -> Handle:
@@ -309,10 +360,15 @@ class _Allgather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        averaged = synchronize(_allreduce_submit(grad_output, None, Average, 1.0, 1.0))
-        rows = synchronize(_allgather_submit(torch.tensor([ctx.rows], dtype=torch.int64), None))
-        offset = int(rows[:_c.rank()].sum().item())
-        return averaged.narrow(0, offset, ctx.rows), None
+        return _allgather_grad(grad_output, ctx.rows), None
+
+
+def _allgather_grad(grad_output, rows: int):
+    """This rank's rows of the gradient averaged over ranks (Horovod's allgather gradient)."""
+    averaged = synchronize(_allreduce_submit(grad_output, None, Average, 1.0, 1.0))
+    all_rows = synchronize(_allgather_submit(torch.tensor([rows], dtype=torch.int64), None))
+    offset = int(all_rows[:_c.rank()].sum().item())
+    return averaged.narrow(0, offset, rows)
 
 
 def allgather(tensor, name=None, process_set=global_process_set) -> torch.Tensor:
@@ -329,9 +385,27 @@ def grouped_allgather_async(tensors, name=None, process_set=global_process_set) 
     return _ListHandle(handles)
 
 
+class _GroupedAllgather(torch.autograd.Function):
+    """grouped_allgather: all submitted before any is waited on; each gradient as allgather's."""
+
+    @staticmethod
+    def forward(ctx, name, *tensors):
+        ctx.rows = [t.shape[0] if t.dim() > 0 else 1 for t in tensors]
+        handles = [_allgather_submit(t, _member(name, i)) for i, t in enumerate(tensors)]
+        return tuple(_ListHandle(handles).wait())
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, *[_allgather_grad(g, rows) for g, rows in zip(grads, ctx.rows)])
+
+
 def grouped_allgather(tensors, name=None, process_set=global_process_set) -> list:
-    """Allgather each tensor in a list (not differentiable as a group)."""
-    return synchronize(grouped_allgather_async(tensors, name, process_set))
+    """Allgather each tensor in a list as one group; differentiable."""
+    check_process_set(process_set, "grouped_allgather")
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
+        raise TypeError("grouped_allgather: expected a list of tensors, got "
+                        f"{type(tensors).__name__}")
+    return list(_GroupedAllgather.apply(name, *tensors))
 
 
 class _ListHandle(Handle):
@@ -503,20 +577,32 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
 
 
 class _Reducescatter(torch.autograd.Function):
-    """reducescatter whose gradient is the allgather of the gradient (scaled as the forward)."""
+    """reducescatter whose gradient is the allgather of the gradient, scaled as Horovod does.
+
+    Horovod treats the op like an allreduce whose backward is the same allreduce of the
+    gradient: Sum multiplies by the number of ranks, Average by 1, and the pre/postscale
+    factors apply again.
+    """
 
     @staticmethod
     def forward(ctx, tensor, name, op, prescale_factor, postscale_factor):
-        ctx.scale = prescale_factor * postscale_factor / (_c.size() if op == Average else 1)
+        ctx.scale = _reducescatter_scale(op, prescale_factor, postscale_factor)
         return synchronize(_reducescatter_submit(tensor, name, op, prescale_factor,
                                                  postscale_factor))
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad = synchronize(_allgather_submit(grad_output, None))
-        if ctx.scale != 1:
-            grad = grad * ctx.scale
-        return grad, None, None, None, None
+        return _reducescatter_grad(grad_output, ctx.scale), None, None, None, None
+
+
+def _reducescatter_scale(op, prescale_factor, postscale_factor) -> float:
+    """The factor on reducescatter's gradient: as an allreduce's, Sum times the ranks."""
+    return prescale_factor * postscale_factor * (_c.size() if op == Sum else 1)
+
+
+def _reducescatter_grad(grad_output, scale: float):
+    grad = synchronize(_allgather_submit(grad_output, None))
+    return grad * scale if scale != 1 else grad
 
 
 def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
@@ -538,13 +624,29 @@ def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=glob
                         for i, t in enumerate(tensors)])
 
 
+class _GroupedReducescatter(torch.autograd.Function):
+    """grouped_reducescatter: all submitted before any is waited on; gradients as reducescatter's."""
+
+    @staticmethod
+    def forward(ctx, name, op, prescale_factor, postscale_factor, *tensors):
+        ctx.scale = _reducescatter_scale(op, prescale_factor, postscale_factor)
+        handles = [_reducescatter_submit(t, _member(name, i), op, prescale_factor,
+                                         postscale_factor) for i, t in enumerate(tensors)]
+        return tuple(_ListHandle(handles).wait())
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None, None, None, *[_reducescatter_grad(g, ctx.scale) for g in grads])
+
+
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
                           process_set=global_process_set, prescale_factor=1.0,
                           postscale_factor=1.0) -> list:
-    """Reducescatter each tensor in a list."""
+    """Reducescatter each tensor in a list as one group; differentiable."""
+    op = _scatter_op(op, "grouped_reducescatter")
+    check_process_set(process_set, "grouped_reducescatter")
     compressed, ctxs = zip(*[compression.compress(t) for t in tensors])
-    outs = synchronize(grouped_reducescatter_async(list(compressed), name, op, process_set,
-                                                   prescale_factor, postscale_factor))
+    outs = _GroupedReducescatter.apply(name, op, prescale_factor, postscale_factor, *compressed)
     return [compression.decompress(o, c) for o, c in zip(outs, ctxs)]
 
 
