@@ -22,6 +22,27 @@ def test_stall_warning_and_timeout(n):
                    extra_env={"NBDIST_STALL_WARNING_S": "1", "NBDIST_TIMEOUT_S": "3"})
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("n", RANKS)
+def test_timeline(n):
+    run_rank_tests(n, "common_timeline.py", timeout=200)
+
+
+@pytest.mark.timeout(120)
+def test_timeline_from_the_environment(tmp_path):
+    """HOROVOD_TIMELINE at init starts it; shutdown leaves a complete JSON file."""
+    import json
+
+    path = tmp_path / "env.json"
+    code = ("import numpy as np, nbdist.common as hvd\n"
+            "hvd.init(); hvd.allreduce(np.ones(2), name='x'); hvd.shutdown()\n")
+    env = {"HOROVOD_TIMELINE": str(path), "HOROVOD_TIMELINE_MARK_CYCLES": "1",
+           "PATH": "/usr/bin:/bin"}
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=100, cwd=ROOT, env=env)
+    names = {e.get("name") for e in json.loads(path.read_text())}
+    assert {"NEGOTIATE_ALLREDUCE", "ALLREDUCE", "CYCLE_START"} <= names
+
+
 @pytest.mark.timeout(120)
 def test_lone_process_without_mpiexec():
     code = (

@@ -6,7 +6,7 @@ re-export everything here.
 from .basics import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,
                      gloo_enabled, init, is_initialized, local_rank, local_size, mpi_built,
                      mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built, shutdown,
-                     size)
+                     size, start_timeline, stop_timeline)
 from .errors import (AbortedError, CollectiveError, CollectiveTimeoutError, HorovodInternalError,
                      MismatchError, NbdistError, NotInitializedError, RuntimeBrokenError)
 from .ops import (abort, allgather, allgather_async, allgather_object, allreduce, allreduce_,

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 
-from . import errors
+from . import errors, timeline
 from .config import Config
 from .topology import Topology
 
@@ -46,6 +47,11 @@ def init(comm=None) -> None:
         engine = Engine(topology, config,
                         lambda should_stop: TransportSet(config, topology, should_stop))
         _state.update(engine=engine, topology=topology, config=config)
+        path = os.environ.get("NBDIST_TIMELINE") or os.environ.get("HOROVOD_TIMELINE")
+        if path:
+            cycles = (os.environ.get("NBDIST_TIMELINE_MARK_CYCLES")
+                      or os.environ.get("HOROVOD_TIMELINE_MARK_CYCLES") or "0")
+            timeline.start(path, topology.rank, cycles.lower() not in ("0", "false", ""))
 
 
 def shutdown() -> None:
@@ -55,12 +61,24 @@ def shutdown() -> None:
         if engine is None:
             return
         _state["engine"] = None
+        timeline.stop()
         engine.stop()
         _state["topology"].free()
         _state["topology"] = None
 
 
 atexit.register(shutdown)
+
+
+def start_timeline(file_path, mark_cycles: bool = False) -> None:
+    """Write this rank's timeline of ops to `file_path` (rank r > 0: `<file_path>.rank<r>`,
+    or `{rank}` in the path filled in) as a Chrome trace; see nbdist.common.timeline."""
+    timeline.start(file_path, topology().rank, bool(mark_cycles))
+
+
+def stop_timeline() -> None:
+    """Finish the timeline file (valid JSON from then on)."""
+    timeline.stop()
 
 
 def is_initialized() -> bool:

@@ -24,7 +24,7 @@ import threading
 import time
 import traceback
 
-from . import errors
+from . import errors, timeline
 from .execution import Executor
 from .negotiation import Coordinator
 from .requests import Request, Response
@@ -138,6 +138,7 @@ class Engine:
             self._names_in_flight.add(request.name)
             self._queue.append(request)
             self._cv.notify()
+        timeline.op_submitted(request.kind, request.name)
 
     def abort(self, reason: str, wait_s: float = 5.0) -> None:
         """Fail every op in flight on every rank with `reason`.
@@ -183,6 +184,7 @@ class Engine:
                     self._control.clear()
                 worked = self._cycle(new, control)
                 if worked:
+                    timeline.cycle()
                     backoff.reset()
                     continue
                 delay = backoff.next_delay()
@@ -354,6 +356,14 @@ class Engine:
             self.epoch = epoch  # last: abort() returns once it sees this
             return
         templates = self._templates
+        if timeline.active() is not None:  # all of this message is agreed: QUEUE from here
+            for unit in message[2]:
+                for e in unit:
+                    resp = templates.get(e) if e.__class__ is int else e
+                    if resp is not None and resp.error is None:
+                        for name in resp.names:
+                            if name in self._local:
+                                timeline.op_agreed(resp.kind, name)
         for unit in message[2]:
             responses = []
             for e in unit:

@@ -10,6 +10,7 @@ from typing import Callable
 
 import numpy as np
 
+from . import timeline
 from .ops_base import ReduceOp, is_half, numpy_dtype
 from .requests import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN,
                        REDUCESCATTER, Request, Response, make_error)
@@ -71,6 +72,19 @@ class Executor:
         self._scale(buf, post)
 
     @staticmethod
+    def _traced(kind: str, reqs, phase: str):
+        """The names to mark `phase` on (only when a timeline runs; else None)."""
+        if timeline.active() is None:
+            return None
+        names = [req.name for req in reqs if req is not None]
+        timeline.phase_begin(kind, names, phase)
+        return names
+
+    @staticmethod
+    def _transport_phase(transport, kind: str) -> str:
+        return f"{getattr(transport, 'name', 'transport').upper()}_{kind.upper()}"
+
+    @staticmethod
     def _transport_op(op: int) -> ReduceOp:
         return ReduceOp.Sum if op == ReduceOp.Average else ReduceOp(op)
 
@@ -89,10 +103,16 @@ class Executor:
                       for name in resp.names if name in local]
             release([req.name for req, _ in failed])
             for req, resp in failed:
+                timeline.op_finished(req.kind, req.name)
                 req.handle.set_error(make_error(resp.error))
             return
         reqs = [local.pop(resp.names[0], None) for resp in unit]
         release([req.name for req in reqs if req is not None])
+        traced = timeline.active() is not None
+        if traced:
+            for req in reqs:
+                if req is not None:
+                    timeline.op_started(req.kind, req.name)
         self.stats["units"] += 1
         if first.kind == ALLREDUCE:
             self.stats["allreduce_ops"] += len(unit)
@@ -121,6 +141,11 @@ class Executor:
                 if req is not None:
                     req.handle.set_error(exc)
             raise
+        finally:
+            if traced:
+                for req in reqs:
+                    if req is not None:
+                        timeline.op_finished(req.kind, req.name)
 
     # -- the kinds -----------------------------------------------------------------------
     def _device_op(self, unit: list[Response], reqs: list[Request | None]) -> None:
@@ -167,23 +192,37 @@ class Executor:
                 np.copyto(buf, req.array)
             flat = buf.reshape(-1)
             self._scale(flat, first.prescale)
+            phase = self._transport_phase(transport, ALLREDUCE)
+            traced = self._traced(ALLREDUCE, reqs, phase)
             transport.allreduce(flat, op)
+            if traced:
+                timeline.phase_end(ALLREDUCE, traced, phase)
             self._finish_reduction(flat, first)
         else:
             total = sum(o.size for o in outputs)
             fused = self._fusion_buffer(dtype, total)
+            traced = self._traced(ALLREDUCE, reqs, "MEMCPY_IN_FUSION_BUFFER")
             offset = 0
             for out, req in zip(outputs, reqs):
                 src = out if req is None else req.array
                 fused[offset:offset + out.size] = src.reshape(-1)
                 offset += out.size
             self._scale(fused, first.prescale)
+            phase = self._transport_phase(transport, ALLREDUCE)
+            if traced:
+                timeline.phase_end(ALLREDUCE, traced, "MEMCPY_IN_FUSION_BUFFER")
+                timeline.phase_begin(ALLREDUCE, traced, phase)
             transport.allreduce(fused, op)
             self._finish_reduction(fused, first)
+            if traced:
+                timeline.phase_end(ALLREDUCE, traced, phase)
+                timeline.phase_begin(ALLREDUCE, traced, "MEMCPY_OUT_FUSION_BUFFER")
             offset = 0
             for out in outputs:
                 out.reshape(-1)[...] = fused[offset:offset + out.size]
                 offset += out.size
+            if traced:
+                timeline.phase_end(ALLREDUCE, traced, "MEMCPY_OUT_FUSION_BUFFER")
         for out, req in zip(outputs, reqs):
             if req is not None:
                 req.handle.set_result(out)
@@ -195,8 +234,12 @@ class Executor:
         rows = resp.first_dims[0]
         recv = np.empty((sum(rows),) + tuple(inner), dtype)
         send = req.array if req is not None else np.empty((0,) + tuple(inner), dtype)
-        self.choose(resp.device, ALLGATHER).allgatherv(
+        transport = self.choose(resp.device, ALLGATHER)
+        traced = self._traced(ALLGATHER, [req], self._transport_phase(transport, ALLGATHER))
+        transport.allgatherv(
             np.ascontiguousarray(send).reshape(-1), recv.reshape(-1), [r * row for r in rows])
+        if traced:
+            timeline.phase_end(ALLGATHER, traced, None)
         if req is not None:
             req.handle.set_result(recv)
 
@@ -213,7 +256,11 @@ class Executor:
             buf = req.array.copy()
         else:
             buf = np.empty_like(req.array)
-        self.choose(resp.device, BROADCAST).broadcast(buf.reshape(-1), resp.root)
+        transport = self.choose(resp.device, BROADCAST)
+        traced = self._traced(BROADCAST, [req], self._transport_phase(transport, BROADCAST))
+        transport.broadcast(buf.reshape(-1), resp.root)
+        if traced:
+            timeline.phase_end(BROADCAST, traced, None)
         if req is not None:
             req.handle.set_result(buf)
 
@@ -224,9 +271,13 @@ class Executor:
         send_rows = resp.splits[self.rank]
         recv_rows = [resp.splits[src][self.rank] for src in range(self.size)]
         recv = np.empty((sum(recv_rows),) + inner, dtype)
-        self.choose(resp.device, ALLTOALL).alltoallv(
+        transport = self.choose(resp.device, ALLTOALL)
+        traced = self._traced(ALLTOALL, [req], self._transport_phase(transport, ALLTOALL))
+        transport.alltoallv(
             req.array.reshape(-1), [r * row for r in send_rows],
             recv.reshape(-1), [r * row for r in recv_rows])
+        if traced:
+            timeline.phase_end(ALLTOALL, traced, None)
         req.handle.set_result((recv, np.asarray(recv_rows, dtype=np.int32)))
 
     def _reducescatter(self, resp: Response, req: Request) -> None:
@@ -237,7 +288,12 @@ class Executor:
         send = req.array.copy().reshape(-1)
         self._scale(send, resp.prescale)
         recv = np.empty((counts[self.rank],) + inner, req.array.dtype)
-        self.choose(resp.device, REDUCESCATTER).reducescatter(
+        transport = self.choose(resp.device, REDUCESCATTER)
+        traced = self._traced(REDUCESCATTER, [req],
+                              self._transport_phase(transport, REDUCESCATTER))
+        transport.reducescatter(
             send, recv.reshape(-1), [c * row for c in counts], self._transport_op(resp.op))
+        if traced:
+            timeline.phase_end(REDUCESCATTER, traced, None)
         self._finish_reduction(recv.reshape(-1), resp)
         req.handle.set_result(recv)

@@ -10,7 +10,8 @@ from __future__ import annotations
 from nbdist.common import (abort, ccl_built, cross_rank, cross_size, cuda_built, ddl_built,
                            gloo_built, gloo_enabled, init, is_initialized, local_rank,
                            local_size, mpi_built, mpi_enabled, mpi_threads_supported,
-                           nccl_built, rank, rocm_built, shutdown, size)
+                           nccl_built, rank, rocm_built, shutdown, size, start_timeline,
+                           stop_timeline)
 from nbdist.common.errors import (AbortedError, CollectiveError, CollectiveTimeoutError,
                                   HorovodInternalError, MismatchError, NbdistError,
                                   NotInitializedError, RuntimeBrokenError)
@@ -38,14 +39,6 @@ mlsl_built = ccl_built  # Horovod's older name for the oneCCL query
 def is_homogeneous() -> bool:
     """True when every node runs the same number of ranks."""
     return size() % max(local_size(), 1) == 0 and cross_size() * local_size() == size()
-
-
-def start_timeline(file_path, mark_cycles=False) -> None:
-    """Horovod's timeline is not recorded by nbdist; accepted so that code calling it runs."""
-
-
-def stop_timeline() -> None:
-    """See start_timeline."""
 
 
 __all__ = [name for name in dir() if not name.startswith("_") and name != "annotations"]
