@@ -14,6 +14,7 @@ from .ops import (abort, allgather, allgather_async, allgather_object, allreduce
                   broadcast_, broadcast_async, broadcast_async_, broadcast_object, grouped_allreduce,
                   grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_, join, poll,
                   reducescatter, reducescatter_async, synchronize)
+from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from .ops_base import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from .requests import Handle
 

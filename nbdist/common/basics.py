@@ -25,12 +25,21 @@ def _mpi():
     return MPI
 
 
-def init(comm=None) -> None:
+def init(comm=None, process_sets=None) -> None:
     """Start the runtime on this rank (a second call is harmless).
 
     Under mpiexec every rank calls init(); a lone process is a world of size 1.
-    `comm` (an mpi4py communicator) restricts the runtime to those ranks.
+    `comm` (an mpi4py communicator, or a list of world ranks) restricts the runtime to
+    those ranks. `process_sets` registers hvd.ProcessSet objects (see process_sets.py).
     """
+    _init(comm)
+    if process_sets is not None:
+        from . import process_sets as _ps
+
+        _ps.init_process_sets(process_sets)
+
+
+def _init(comm) -> None:
     with _lock:
         if _state["engine"] is not None:
             return
@@ -62,6 +71,9 @@ def shutdown() -> None:
             return
         _state["engine"] = None
         timeline.stop()
+        from . import process_sets
+
+        process_sets.shutdown_process_sets()
         engine.stop()
         _state["topology"].free()
         _state["topology"] = None

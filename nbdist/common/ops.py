@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from . import basics
+from . import basics, process_sets
 from .ops_base import ReduceOp, SUPPORTED_DTYPES, dtype_name
 from .requests import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN, REDUCESCATTER,
                        GroupHandle, Handle, Request, signature)
@@ -66,8 +66,8 @@ def as_array(obj: Any, what: str, inplace: bool = False) -> np.ndarray:
 class GPUBuffer:
     """The dtype/shape view of a GPU array, for signatures; the array itself is moved by NCCL."""
 
-    def __init__(self, obj, what: str):
-        transports = basics.engine().transports
+    def __init__(self, obj, what: str, engine=None):
+        transports = (engine or basics.engine()).transports
         if transports.nccl is None:
             reason = getattr(transports, "nccl_reason", "") or "NCCL is not available"
             raise TypeError(f"{what} on a GPU buffer needs the NCCL transport, which is not "
@@ -93,13 +93,14 @@ def _gpu_signature(kind, gpu: GPUBuffer, **sig) -> tuple:
             float(sig.get("postscale", 1.0)), int(sig.get("root", -1)), gpu.device, None)
 
 
-def _submit_gpu(kind: str, obj, name: str | None, what: str, **sig) -> Handle:
-    gpu = GPUBuffer(obj, what)
-    op_name, named = _name(name, kind)
+def _submit_gpu(kind: str, obj, name: str | None, what: str, engine=None, **sig) -> Handle:
+    engine = engine or basics.engine()
+    gpu = GPUBuffer(obj, what, engine)
+    op_name, named = _name(name, kind, engine)
     req = Request(name=op_name, kind=kind, array=obj, inplace=True,
                   signature=_gpu_signature(kind, gpu, **sig), handle=Handle(op_name),
                   device=gpu.device, named=named)
-    basics.engine().submit(req)
+    engine.submit(req)
     return req.handle
 
 
@@ -120,26 +121,41 @@ def _check_op(op, what: str, dtype: np.dtype) -> ReduceOp:
     return op
 
 
-def _check_root(root_rank, what: str) -> int:
+def check_root(root_rank, what: str, set_ranks: list | None = None) -> int:
+    """The root's index in the op's communicator, or a TypeError/ValueError naming the problem.
+
+    `root_rank` is a global rank, also for a process set (as in Horovod); `set_ranks` are
+    the set's global ranks (None: every rank).
+    """
     size = basics.size()
     if not isinstance(root_rank, (int, np.integer)) or isinstance(root_rank, bool):
         raise TypeError(f"{what}: root_rank must be an int, got {type(root_rank).__name__}")
     if not 0 <= root_rank < size:
-        raise ValueError(f"{what}: root_rank {root_rank} is out of range for {size} ranks")
-    return int(root_rank)
+        raise ValueError(f"{what} on rank {basics.rank()}: root_rank {root_rank} is out of "
+                         f"range for {size} ranks")
+    if set_ranks is None:
+        return int(root_rank)
+    if root_rank not in set_ranks:
+        raise ValueError(f"{what} on rank {basics.rank()}: root_rank {root_rank} is not in "
+                         f"the process set {set_ranks}")
+    return set_ranks.index(int(root_rank))
 
 
-def _name(name: str | None, kind: str) -> tuple[str, bool]:
+_check_root = check_root
+
+
+def _name(name: str | None, kind: str, engine=None) -> tuple[str, bool]:
     if name is None:
-        return basics.engine().auto_name(kind), False
+        return (engine or basics.engine()).auto_name(kind), False
     if not isinstance(name, str) or not name:
         raise TypeError(f"{kind}: name must be a non-empty str, got {name!r}")
     return name, True
 
 
-def _submit(kind: str, array, name: str | None, inplace: bool = False, **sig) -> Handle:
-    engine = basics.engine()
-    op_name, named = _name(name, kind)
+def _submit(kind: str, array, name: str | None, inplace: bool = False, engine=None,
+            **sig) -> Handle:
+    engine = engine or basics.engine()
+    op_name, named = _name(name, kind, engine)
     splits = sig.pop("splits", None)
     req = Request(name=op_name, kind=kind, array=array, inplace=inplace,
                   signature=signature(kind, array, splits=splits, **sig),
@@ -176,36 +192,45 @@ def synchronize(handle: Handle):
 
 # -- allreduce -----------------------------------------------------------------------------
 def allreduce_async(array, op=ReduceOp.Average, name: str | None = None,
-                    prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+                    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    process_set=None) -> Handle:
     """Start an allreduce; the result is a new array."""
+    engine, _ = process_sets.resolve(process_set, "allreduce")
     a = as_array(array, "allreduce")
     op = _check_op(op, "allreduce", a.dtype)
-    return _submit(ALLREDUCE, a, name, op=op, prescale=prescale_factor, postscale=postscale_factor)
+    return _submit(ALLREDUCE, a, name, engine=engine, op=op, prescale=prescale_factor,
+                   postscale=postscale_factor)
 
 
 def allreduce_async_(array, op=ReduceOp.Average, name: str | None = None,
-                     prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                     process_set=None) -> Handle:
     """Start an allreduce that writes its result into `array` (a GPU array goes through NCCL)."""
+    engine, _ = process_sets.resolve(process_set, "allreduce_")
     if _device_of(array) != "cpu":
-        return _submit_gpu(ALLREDUCE, array, name, "allreduce_",
+        return _submit_gpu(ALLREDUCE, array, name, "allreduce_", engine=engine,
                            op=_check_op(op, "allreduce_", None), prescale=prescale_factor,
                            postscale=postscale_factor)
     a = as_array(array, "allreduce_", inplace=True)
     op = _check_op(op, "allreduce_", a.dtype)
-    return _submit(ALLREDUCE, a, name, inplace=True, op=op, prescale=prescale_factor,
-                   postscale=postscale_factor)
+    return _submit(ALLREDUCE, a, name, inplace=True, engine=engine, op=op,
+                   prescale=prescale_factor, postscale=postscale_factor)
 
 
 def allreduce(array, op=ReduceOp.Average, name: str | None = None,
-              prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> np.ndarray:
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              process_set=None) -> np.ndarray:
     """Reduce `array` over all ranks (Average by default); returns a new array."""
-    return synchronize(allreduce_async(array, op, name, prescale_factor, postscale_factor))
+    return synchronize(allreduce_async(array, op, name, prescale_factor, postscale_factor,
+                                       process_set))
 
 
 def allreduce_(array, op=ReduceOp.Average, name: str | None = None,
-               prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> np.ndarray:
+               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+               process_set=None) -> np.ndarray:
     """Reduce `array` over all ranks in place; returns `array`."""
-    return synchronize(allreduce_async_(array, op, name, prescale_factor, postscale_factor))
+    return synchronize(allreduce_async_(array, op, name, prescale_factor, postscale_factor,
+                                        process_set))
 
 
 def _group_names(name: str | None, count: int) -> list[str | None]:
@@ -216,80 +241,92 @@ def _group_names(name: str | None, count: int) -> list[str | None]:
 
 def grouped_allreduce_async(arrays: Sequence, op=ReduceOp.Average, name: str | None = None,
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                            _inplace: bool = False) -> Handle:
+                            _inplace: bool = False, process_set=None) -> Handle:
     """Start allreduces of several arrays at once (fused together); one handle, a list result."""
     if isinstance(arrays, np.ndarray) or not isinstance(arrays, (list, tuple)):
         raise TypeError("grouped_allreduce expects a list of arrays")
     start = allreduce_async_ if _inplace else allreduce_async
-    parts = [start(a, op, n, prescale_factor, postscale_factor)
+    parts = [start(a, op, n, prescale_factor, postscale_factor, process_set)
              for a, n in zip(arrays, _group_names(name, len(arrays)))]
     return GroupHandle(name or "grouped_allreduce", parts)
 
 
 def grouped_allreduce_async_(arrays: Sequence, op=ReduceOp.Average, name: str | None = None,
-                             prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                             process_set=None) -> Handle:
     """In-place form of grouped_allreduce_async."""
-    return grouped_allreduce_async(arrays, op, name, prescale_factor, postscale_factor, True)
+    return grouped_allreduce_async(arrays, op, name, prescale_factor, postscale_factor, True,
+                                   process_set)
 
 
 def grouped_allreduce(arrays: Sequence, op=ReduceOp.Average, name: str | None = None,
-                      prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list:
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      process_set=None) -> list:
     """Allreduce several arrays at once; returns a list of new arrays."""
-    return synchronize(grouped_allreduce_async(arrays, op, name, prescale_factor, postscale_factor))
+    return synchronize(grouped_allreduce_async(arrays, op, name, prescale_factor, postscale_factor,
+                                               process_set=process_set))
 
 
 def grouped_allreduce_(arrays: Sequence, op=ReduceOp.Average, name: str | None = None,
-                       prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list:
+                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                       process_set=None) -> list:
     """Allreduce several arrays in place; returns them."""
     return synchronize(grouped_allreduce_async_(arrays, op, name, prescale_factor,
-                                                postscale_factor))
+                                                postscale_factor, process_set))
 
 
 # -- allgather, broadcast, alltoall, reducescatter ---------------------------------------------
-def allgather_async(array, name: str | None = None) -> Handle:
+def allgather_async(array, name: str | None = None, process_set=None) -> Handle:
     """Start an allgather: every rank's array concatenated on the first dimension."""
+    engine, _ = process_sets.resolve(process_set, "allgather")
     a = as_array(array, "allgather")
     if a.ndim == 0:
         a = a.reshape(1)
-    return _submit(ALLGATHER, a, name)
+    return _submit(ALLGATHER, a, name, engine=engine)
 
 
-def allgather(array, name: str | None = None) -> np.ndarray:
+def allgather(array, name: str | None = None, process_set=None) -> np.ndarray:
     """Concatenate every rank's array along the first dimension (which may differ per rank)."""
-    return synchronize(allgather_async(array, name))
+    return synchronize(allgather_async(array, name, process_set))
 
 
-def broadcast_async(array, root_rank: int, name: str | None = None) -> Handle:
-    """Start a broadcast from root_rank; the result is a new array."""
+def broadcast_async(array, root_rank: int, name: str | None = None,
+                    process_set=None) -> Handle:
+    """Start a broadcast from root_rank (a global rank); the result is a new array."""
+    engine, ranks = process_sets.resolve(process_set, "broadcast")
     a = as_array(array, "broadcast")
-    return _submit(BROADCAST, a, name, root=_check_root(root_rank, "broadcast"))
+    return _submit(BROADCAST, a, name, engine=engine,
+                   root=_check_root(root_rank, "broadcast", ranks))
 
 
-def broadcast_async_(array, root_rank: int, name: str | None = None) -> Handle:
+def broadcast_async_(array, root_rank: int, name: str | None = None,
+                     process_set=None) -> Handle:
     """Start a broadcast from root_rank into `array` (a GPU array goes through NCCL)."""
+    engine, ranks = process_sets.resolve(process_set, "broadcast_")
+    root = _check_root(root_rank, "broadcast_", ranks)
     if _device_of(array) != "cpu":
-        return _submit_gpu(BROADCAST, array, name, "broadcast_",
-                           root=_check_root(root_rank, "broadcast_"))
+        return _submit_gpu(BROADCAST, array, name, "broadcast_", engine=engine, root=root)
     a = as_array(array, "broadcast_", inplace=True)
-    return _submit(BROADCAST, a, name, inplace=True, root=_check_root(root_rank, "broadcast_"))
+    return _submit(BROADCAST, a, name, inplace=True, engine=engine, root=root)
 
 
-def broadcast(array, root_rank: int, name: str | None = None) -> np.ndarray:
+def broadcast(array, root_rank: int, name: str | None = None, process_set=None) -> np.ndarray:
     """root_rank's array on every rank; returns a new array."""
-    return synchronize(broadcast_async(array, root_rank, name))
+    return synchronize(broadcast_async(array, root_rank, name, process_set))
 
 
-def broadcast_(array, root_rank: int, name: str | None = None) -> np.ndarray:
+def broadcast_(array, root_rank: int, name: str | None = None, process_set=None) -> np.ndarray:
     """root_rank's array written into `array` on every rank; returns `array`."""
-    return synchronize(broadcast_async_(array, root_rank, name))
+    return synchronize(broadcast_async_(array, root_rank, name, process_set))
 
 
-def alltoall_async(array, splits=None, name: str | None = None) -> Handle:
+def alltoall_async(array, splits=None, name: str | None = None, process_set=None) -> Handle:
     """Start an alltoall; the result is (received array, received splits)."""
+    engine, _ = process_sets.resolve(process_set, "alltoall")
     a = as_array(array, "alltoall")
     if a.ndim == 0:
         raise ValueError("alltoall needs an array with at least one dimension")
-    size = basics.size()
+    size = engine.size
     if splits is None:
         if a.shape[0] % size:
             raise ValueError(f"alltoall: the first dimension ({a.shape[0]}) does not divide "
@@ -302,35 +339,40 @@ def alltoall_async(array, splits=None, name: str | None = None) -> Handle:
     if int(splits.sum()) != a.shape[0]:
         raise ValueError(f"alltoall: splits sum to {int(splits.sum())} but the first "
                          f"dimension is {a.shape[0]}")
-    return _submit(ALLTOALL, a, name, splits=tuple(int(s) for s in splits))
+    return _submit(ALLTOALL, a, name, engine=engine, splits=tuple(int(s) for s in splits))
 
 
-def alltoall(array, splits=None, name: str | None = None):
+def alltoall(array, splits=None, name: str | None = None, process_set=None):
     """Send splits[p] rows to rank p; returns (received rows in rank order, received splits)."""
-    return synchronize(alltoall_async(array, splits, name))
+    return synchronize(alltoall_async(array, splits, name, process_set))
 
 
 def reducescatter_async(array, op=ReduceOp.Average, name: str | None = None,
-                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                        process_set=None) -> Handle:
     """Start a reduce-scatter over the first dimension."""
+    engine, _ = process_sets.resolve(process_set, "reducescatter")
     a = as_array(array, "reducescatter")
     if a.ndim == 0:
         raise ValueError("reducescatter needs an array with at least one dimension")
     op = _check_op(op, "reducescatter", a.dtype)
-    return _submit(REDUCESCATTER, a, name, op=op, prescale=prescale_factor,
+    return _submit(REDUCESCATTER, a, name, engine=engine, op=op, prescale=prescale_factor,
                    postscale=postscale_factor)
 
 
 def reducescatter(array, op=ReduceOp.Average, name: str | None = None,
-                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> np.ndarray:
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                  process_set=None) -> np.ndarray:
     """Reduce over ranks and keep this rank's share of the first dimension."""
-    return synchronize(reducescatter_async(array, op, name, prescale_factor, postscale_factor))
+    return synchronize(reducescatter_async(array, op, name, prescale_factor, postscale_factor,
+                                           process_set))
 
 
 # -- synchronization and objects -----------------------------------------------------------
-def barrier() -> None:
-    """Wait until every rank reaches this barrier."""
-    synchronize(_submit(BARRIER, None, None))
+def barrier(process_set=None) -> None:
+    """Wait until every rank (of the process set) reaches this barrier."""
+    engine, _ = process_sets.resolve(process_set, "barrier")
+    synchronize(_submit(BARRIER, None, None, engine=engine))
 
 
 def join() -> int:
@@ -359,25 +401,29 @@ def _unpickle(data: np.ndarray):
     return pickle.loads(data.tobytes())
 
 
-def broadcast_object(obj, root_rank: int = 0, name: str | None = None):
+def broadcast_object(obj, root_rank: int = 0, name: str | None = None, process_set=None):
     """root_rank's Python object on every rank (serialized with cloudpickle)."""
-    root = _check_root(root_rank, "broadcast_object")
+    _, ranks = process_sets.resolve(process_set, "broadcast_object")
+    _check_root(root_rank, "broadcast_object", ranks)
+    is_root = basics.rank() == root_rank
     # A fixed default name (as Horovod's), not a numbered one: ranks that ran different
     # numbers of unnamed ops (a joined rank skipped some) must still agree on it.
     base = name or "broadcast_object"
-    payload = _pickle(obj) if basics.rank() == root else np.empty(0, np.uint8)
-    size = broadcast(np.array([payload.size], np.int64), root, name=f"{base}.size")
-    data = payload if basics.rank() == root else np.empty(int(size[0]), np.uint8)
-    received = broadcast(data, root, name=f"{base}.data")
-    return obj if basics.rank() == root else _unpickle(received)
+    payload = _pickle(obj) if is_root else np.empty(0, np.uint8)
+    size = broadcast(np.array([payload.size], np.int64), root_rank, name=f"{base}.size",
+                     process_set=process_set)
+    data = payload if is_root else np.empty(int(size[0]), np.uint8)
+    received = broadcast(data, root_rank, name=f"{base}.data", process_set=process_set)
+    return obj if is_root else _unpickle(received)
 
 
-def allgather_object(obj, name: str | None = None) -> list:
+def allgather_object(obj, name: str | None = None, process_set=None) -> list:
     """Every rank's Python object, as a list in rank order."""
     base = name or "allgather_object"  # fixed, as broadcast_object's
     payload = _pickle(obj)
-    sizes = allgather(np.array([payload.size], np.int64), name=f"{base}.sizes")
-    data = allgather(payload, name=f"{base}.data")
+    sizes = allgather(np.array([payload.size], np.int64), name=f"{base}.sizes",
+                      process_set=process_set)
+    data = allgather(payload, name=f"{base}.data", process_set=process_set)
     offsets = np.concatenate([[0], np.cumsum(sizes)])
     return [_unpickle(data[offsets[i]:offsets[i + 1]]) for i in range(len(sizes))]
 

@@ -18,7 +18,7 @@ def broadcast_parameters(params, root_rank, process_set=global_process_set) -> N
     list of tensors / (name, tensor) pairs. All broadcasts are submitted before any is
     waited on, so they fuse and overlap.
     """
-    check_process_set(process_set, "broadcast_parameters")
+    ps = check_process_set(process_set, "broadcast_parameters")
     if isinstance(params, Mapping):
         items = sorted(params.items(), key=lambda kv: str(kv[0]))
     elif isinstance(params, torch.Tensor):
@@ -37,7 +37,7 @@ def broadcast_parameters(params, root_rank, process_set=global_process_set) -> N
             raise ValueError(f"broadcast_parameters: entry {name!r} is a "
                              f"{type(tensor).__name__}, not a tensor")
         op_name = None if name is None else f"broadcast_parameters.{name}"
-        handles.append(broadcast_async_(tensor, root_rank, name=op_name))
+        handles.append(broadcast_async_(tensor, root_rank, name=op_name, process_set=ps))
     for handle in handles:
         synchronize(handle)
 
@@ -88,7 +88,7 @@ def broadcast_optimizer_state(optimizer, root_rank, process_set=global_process_s
     touched (unlike Horovod's dummy step, which can move them under weight decay); as
     with Horovod, parameters that require a gradient and have none get a zero one.
     """
-    check_process_set(process_set, "broadcast_optimizer_state")
+    ps = check_process_set(process_set, "broadcast_optimizer_state")
     # Horovod's version takes a dummy step, which leaves a zero gradient on every
     # parameter that requires one; code written for it reads p.grad afterwards.
     for group in optimizer.param_groups:
@@ -100,7 +100,7 @@ def broadcast_optimizer_state(optimizer, root_rank, process_set=global_process_s
     local_tensors: list = []
     layout = _strip_tensors(state, local_tensors)
     layout = _c.broadcast_object(layout if is_root else None, root_rank=root_rank,
-                                 name="broadcast_optimizer_state.layout")
+                                 name="broadcast_optimizer_state.layout", process_set=ps)
     if is_root:
         tensors = local_tensors
     else:
@@ -108,8 +108,8 @@ def broadcast_optimizer_state(optimizer, root_rank, process_set=global_process_s
         _collect_slots(layout, slots)
         slots.sort(key=lambda s: s.index)
         tensors = [torch.empty(s.shape, dtype=s.dtype) for s in slots]
-    handles = [broadcast_async_(t, root_rank, name=f"broadcast_optimizer_state.{i}")
-               for i, t in enumerate(tensors)]
+    handles = [broadcast_async_(t, root_rank, name=f"broadcast_optimizer_state.{i}",
+                                process_set=ps) for i, t in enumerate(tensors)]
     for handle in handles:
         synchronize(handle)
     # The root loads it too: load_state_dict casts some entries (NAdam's mu_product to the
@@ -130,11 +130,11 @@ def _collect_slots(obj, out: list) -> None:
 
 def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
     """root_rank's picklable `obj` on every rank (cloudpickle)."""
-    check_process_set(process_set, "broadcast_object")
-    return _c.broadcast_object(obj, root_rank=root_rank, name=name)
+    ps = check_process_set(process_set, "broadcast_object")
+    return _c.broadcast_object(obj, root_rank=root_rank, name=name, process_set=ps)
 
 
 def allgather_object(obj, name=None, process_set=global_process_set) -> list:
     """Every rank's picklable `obj`, as a list indexed by rank."""
-    check_process_set(process_set, "allgather_object")
-    return _c.allgather_object(obj, name=name)
+    ps = check_process_set(process_set, "allgather_object")
+    return _c.allgather_object(obj, name=name, process_set=ps)

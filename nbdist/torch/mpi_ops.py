@@ -101,6 +101,15 @@ def _reduce_op(op, average, what: str) -> ReduceOp:
     return op
 
 
+def _set_size(ps) -> int:
+    """Ranks in the op's process set (the world for the global set)."""
+    return _c.size() if ps is None or ps is global_process_set else ps.size()
+
+
+def _set_rank(ps) -> int:
+    return _c.rank() if ps is None or ps is global_process_set else ps.rank()
+
+
 def _to_result(like: torch.Tensor) -> Callable:
     return lambda result: _tu.to_tensor(result, like)
 
@@ -122,17 +131,18 @@ def _inplace(tensor: torch.Tensor, what: str, reduction: bool, submit: Callable)
 
 # ---------------------------------------------------------------- allreduce
 
-def _allreduce_submit(tensor, name, op, prescale_factor, postscale_factor) -> Handle:
+def _allreduce_submit(tensor, name, op, prescale_factor, postscale_factor, ps=None) -> Handle:
     _tu.check_tensor(tensor, "allreduce", reduction=True)
     if _tu.gpu_direct(tensor):  # NCCL reduces in place: reduce a copy
         out = tensor.detach().clone(memory_format=torch.contiguous_format)
         inner = _c.allreduce_async_(_tu.as_buffer(out), op=op, name=name,
                                     prescale_factor=prescale_factor,
-                                    postscale_factor=postscale_factor)
+                                    postscale_factor=postscale_factor, process_set=ps)
         return Handle(inner, lambda _result: out, keep=(out,))
     src = _tu.contiguous_input(tensor)
     inner = _c.allreduce_async(_tu.as_buffer(src), op=op, name=name,
-                               prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+                               prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                               process_set=ps)
     return Handle(inner, _to_result(tensor), keep=(src,))
 
 
@@ -140,17 +150,18 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
                     postscale_factor=1.0, process_set=global_process_set) -> Handle:
     """Start averaging (or reducing with `op`) `tensor` over all ranks; the input is not changed."""
     op = _reduce_op(op, average, "allreduce_async")
-    check_process_set(process_set, "allreduce_async")
-    return _allreduce_submit(tensor, name, op, prescale_factor, postscale_factor)
+    ps = check_process_set(process_set, "allreduce_async")
+    return _allreduce_submit(tensor, name, op, prescale_factor, postscale_factor, ps)
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                      postscale_factor=1.0, process_set=global_process_set) -> Handle:
     """Start an in-place allreduce: `tensor` holds the result once synchronize() returns."""
     op = _reduce_op(op, average, "allreduce_async_")
-    check_process_set(process_set, "allreduce_async_")
+    ps = check_process_set(process_set, "allreduce_async_")
     return _inplace(tensor, "allreduce_async_", True, lambda buf: _c.allreduce_async_(
-        buf, op=op, name=name, prescale_factor=prescale_factor, postscale_factor=postscale_factor))
+        buf, op=op, name=name, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+        process_set=ps))
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
@@ -164,14 +175,15 @@ class _Allreduce(torch.autograd.Function):
     """allreduce whose gradient is the same allreduce of the incoming gradient (Horovod)."""
 
     @staticmethod
-    def forward(ctx, tensor, name, op, prescale_factor, postscale_factor):
-        ctx.op, ctx.pre, ctx.post = op, prescale_factor, postscale_factor
-        return synchronize(_allreduce_submit(tensor, name, op, prescale_factor, postscale_factor))
+    def forward(ctx, tensor, name, op, prescale_factor, postscale_factor, ps):
+        ctx.op, ctx.pre, ctx.post, ctx.ps = op, prescale_factor, postscale_factor, ps
+        return synchronize(_allreduce_submit(tensor, name, op, prescale_factor, postscale_factor,
+                                             ps))
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad = synchronize(_allreduce_submit(grad_output, None, ctx.op, ctx.pre, ctx.post))
-        return grad, None, None, None, None
+        grad = synchronize(_allreduce_submit(grad_output, None, ctx.op, ctx.pre, ctx.post, ctx.ps))
+        return grad, None, None, None, None, None
 
 
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
@@ -179,9 +191,9 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
               process_set=global_process_set) -> torch.Tensor:
     """Average (or reduce with `op`) `tensor` over all ranks into a new tensor; differentiable."""
     op = _reduce_op(op, average, "allreduce")
-    check_process_set(process_set, "allreduce")
+    ps = check_process_set(process_set, "allreduce")
     compressed, ctx = compression.compress(tensor)
-    reduced = _Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor)
+    reduced = _Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor, ps)
     return compression.decompress(reduced, ctx)
 
 
@@ -202,15 +214,15 @@ def _member(name, index: int):
     return None if name is None else f"{name}.{index}"
 
 
-def _grouped_submit(tensors, name, op, prescale_factor, postscale_factor) -> Handle:
+def _grouped_submit(tensors, name, op, prescale_factor, postscale_factor, ps=None) -> Handle:
     tensors = _check_group(tensors, "grouped_allreduce")
     if any(_tu.gpu_direct(t) for t in tensors):  # the NCCL path reduces one tensor at a time
         return _ListHandle([_allreduce_submit(t, _member(name, i), op, prescale_factor,
-                                              postscale_factor) for i, t in enumerate(tensors)])
+                                              postscale_factor, ps) for i, t in enumerate(tensors)])
     srcs = [_tu.contiguous_input(t) for t in tensors]
     inner = _c.grouped_allreduce_async([_tu.as_buffer(s) for s in srcs], op=op, name=name,
                                        prescale_factor=prescale_factor,
-                                       postscale_factor=postscale_factor)
+                                       postscale_factor=postscale_factor, process_set=ps)
 
     def finish(results):
         return [_tu.to_tensor(r, t) for r, t in zip(results, tensors)]
@@ -222,24 +234,24 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
                             postscale_factor=1.0, process_set=global_process_set) -> Handle:
     """Start one allreduce over a list of tensors; synchronize() returns a list of new tensors."""
     op = _reduce_op(op, average, "grouped_allreduce_async")
-    check_process_set(process_set, "grouped_allreduce_async")
-    return _grouped_submit(tensors, name, op, prescale_factor, postscale_factor)
+    ps = check_process_set(process_set, "grouped_allreduce_async")
+    return _grouped_submit(tensors, name, op, prescale_factor, postscale_factor, ps)
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=global_process_set) -> Handle:
     """Start an in-place grouped allreduce: each tensor holds its result after synchronize()."""
     op = _reduce_op(op, average, "grouped_allreduce_async_")
-    check_process_set(process_set, "grouped_allreduce_async_")
+    ps = check_process_set(process_set, "grouped_allreduce_async_")
     tensors = _check_group(tensors, "grouped_allreduce_async_")
     if any(_tu.gpu_direct(t) for t in tensors):  # the NCCL path reduces one tensor at a time
         return _ListHandle([allreduce_async_(t, None, _member(name, i), op, prescale_factor,
-                                             postscale_factor) for i, t in enumerate(tensors)])
+                                             postscale_factor, ps) for i, t in enumerate(tensors)])
     targets = [t.detach() for t in tensors]
     stagings = [_tu.inplace_staging(t) for t in targets]
     inner = _c.grouped_allreduce_async_([_tu.as_buffer(s) for s in stagings], op=op, name=name,
                                         prescale_factor=prescale_factor,
-                                        postscale_factor=postscale_factor)
+                                        postscale_factor=postscale_factor, process_set=ps)
 
     def finish(_results):
         for target, staging in zip(targets, stagings):
@@ -261,15 +273,16 @@ class _GroupedAllreduce(torch.autograd.Function):
     """grouped_allreduce whose gradients are the grouped allreduce of the incoming gradients."""
 
     @staticmethod
-    def forward(ctx, name, op, prescale_factor, postscale_factor, *tensors):
-        ctx.op, ctx.pre, ctx.post = op, prescale_factor, postscale_factor
+    def forward(ctx, name, op, prescale_factor, postscale_factor, ps, *tensors):
+        ctx.op, ctx.pre, ctx.post, ctx.ps = op, prescale_factor, postscale_factor, ps
         return tuple(synchronize(_grouped_submit(list(tensors), name, op, prescale_factor,
-                                                 postscale_factor)))
+                                                 postscale_factor, ps)))
 
     @staticmethod
     def backward(ctx, *grads):
-        reduced = synchronize(_grouped_submit(list(grads), None, ctx.op, ctx.pre, ctx.post))
-        return (None, None, None, None, *reduced)
+        reduced = synchronize(_grouped_submit(list(grads), None, ctx.op, ctx.pre, ctx.post,
+                                              ctx.ps))
+        return (None, None, None, None, None, *reduced)
 
 
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
@@ -277,10 +290,11 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
                       process_set=global_process_set) -> list:
     """Allreduce a list of tensors as one op (fused); returns new tensors; differentiable."""
     op = _reduce_op(op, average, "grouped_allreduce")
-    check_process_set(process_set, "grouped_allreduce")
+    ps = check_process_set(process_set, "grouped_allreduce")
     tensors = _check_group(tensors, "grouped_allreduce")
     compressed, ctxs = zip(*[compression.compress(t) for t in tensors])
-    reduced = _GroupedAllreduce.apply(name, op, prescale_factor, postscale_factor, *compressed)
+    reduced = _GroupedAllreduce.apply(name, op, prescale_factor, postscale_factor, ps,
+                                      *compressed)
     return [compression.decompress(t, ctx) for t, ctx in zip(reduced, ctxs)]
 
 
@@ -316,19 +330,19 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set) -> 
     op = _reduce_op(op, None, "sparse_allreduce_async")
     if op not in (Average, Sum):
         raise ValueError(f"sparse_allreduce_async supports op=hvd.Average or hvd.Sum, got {op.name}")
-    check_process_set(process_set, "sparse_allreduce_async")
+    ps = check_process_set(process_set, "sparse_allreduce_async")
     if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:
         raise TypeError("sparse_allreduce_async expects a sparse COO tensor "
                         f"(tensor.to_sparse()), got {type(tensor).__name__}")
     # allgather concatenates rows: send the indices as (nnz, sparse_dims) rows
     indices = tensor._indices().transpose(0, 1).contiguous()
     values = tensor._values().contiguous()
-    parts = [_allgather_submit(indices, None if name is None else f"{name}.indices"),
-             _allgather_submit(values, None if name is None else f"{name}.values")]
+    parts = [_allgather_submit(indices, None if name is None else f"{name}.indices", ps),
+             _allgather_submit(values, None if name is None else f"{name}.values", ps)]
 
     def build(all_indices, all_values):
         if op == Average:
-            all_values = all_values / _c.size()
+            all_values = all_values / _set_size(ps)
         return torch.sparse_coo_tensor(all_indices.transpose(0, 1), all_values, tensor.size(),
                                        check_invariants=False)
 
@@ -337,50 +351,50 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set) -> 
 
 # ---------------------------------------------------------------- allgather
 
-def _allgather_submit(tensor, name) -> Handle:
+def _allgather_submit(tensor, name, ps=None) -> Handle:
     _tu.check_tensor(tensor, "allgather")
     src = _tu.contiguous_input(tensor)
-    inner = _c.allgather_async(_tu.as_buffer(src), name=name)
+    inner = _c.allgather_async(_tu.as_buffer(src), name=name, process_set=ps)
     return Handle(inner, _to_result(tensor), keep=(src,))
 
 
 def allgather_async(tensor, name=None, process_set=global_process_set) -> Handle:
     """Start concatenating every rank's `tensor` along dimension 0 (which may differ per rank)."""
-    check_process_set(process_set, "allgather_async")
-    return _allgather_submit(tensor, name)
+    ps = check_process_set(process_set, "allgather_async")
+    return _allgather_submit(tensor, name, ps)
 
 
 class _Allgather(torch.autograd.Function):
     """allgather whose gradient is this rank's rows of the averaged gradient (Horovod)."""
 
     @staticmethod
-    def forward(ctx, tensor, name):
-        ctx.rows = tensor.shape[0] if tensor.dim() > 0 else 1
-        return synchronize(_allgather_submit(tensor, name))
+    def forward(ctx, tensor, name, ps):
+        ctx.rows, ctx.ps = (tensor.shape[0] if tensor.dim() > 0 else 1), ps
+        return synchronize(_allgather_submit(tensor, name, ps))
 
     @staticmethod
     def backward(ctx, grad_output):
-        return _allgather_grad(grad_output, ctx.rows), None
+        return _allgather_grad(grad_output, ctx.rows, ctx.ps), None, None
 
 
-def _allgather_grad(grad_output, rows: int):
+def _allgather_grad(grad_output, rows: int, ps=None):
     """This rank's rows of the gradient averaged over ranks (Horovod's allgather gradient)."""
-    averaged = synchronize(_allreduce_submit(grad_output, None, Average, 1.0, 1.0))
-    all_rows = synchronize(_allgather_submit(torch.tensor([rows], dtype=torch.int64), None))
-    offset = int(all_rows[:_c.rank()].sum().item())
+    averaged = synchronize(_allreduce_submit(grad_output, None, Average, 1.0, 1.0, ps))
+    all_rows = synchronize(_allgather_submit(torch.tensor([rows], dtype=torch.int64), None, ps))
+    offset = int(all_rows[:_set_rank(ps)].sum().item())
     return averaged.narrow(0, offset, rows)
 
 
 def allgather(tensor, name=None, process_set=global_process_set) -> torch.Tensor:
     """Concatenate every rank's `tensor` along dimension 0 into a new tensor; differentiable."""
-    check_process_set(process_set, "allgather")
-    return _Allgather.apply(tensor, name)
+    ps = check_process_set(process_set, "allgather")
+    return _Allgather.apply(tensor, name, ps)
 
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set) -> Handle:
     """Start an allgather of each tensor in a list; synchronize() returns the list of results."""
-    check_process_set(process_set, "grouped_allgather_async")
-    handles = [allgather_async(t, name=None if name is None else f"{name}.{i}")
+    ps = check_process_set(process_set, "grouped_allgather_async")
+    handles = [allgather_async(t, name=None if name is None else f"{name}.{i}", process_set=ps)
                for i, t in enumerate(tensors)]
     return _ListHandle(handles)
 
@@ -389,23 +403,24 @@ class _GroupedAllgather(torch.autograd.Function):
     """grouped_allgather: all submitted before any is waited on; each gradient as allgather's."""
 
     @staticmethod
-    def forward(ctx, name, *tensors):
-        ctx.rows = [t.shape[0] if t.dim() > 0 else 1 for t in tensors]
-        handles = [_allgather_submit(t, _member(name, i)) for i, t in enumerate(tensors)]
+    def forward(ctx, name, ps, *tensors):
+        ctx.rows, ctx.ps = [t.shape[0] if t.dim() > 0 else 1 for t in tensors], ps
+        handles = [_allgather_submit(t, _member(name, i), ps) for i, t in enumerate(tensors)]
         return tuple(_ListHandle(handles).wait())
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, *[_allgather_grad(g, rows) for g, rows in zip(grads, ctx.rows)])
+        return (None, None, *[_allgather_grad(g, rows, ctx.ps)
+                              for g, rows in zip(grads, ctx.rows)])
 
 
 def grouped_allgather(tensors, name=None, process_set=global_process_set) -> list:
     """Allgather each tensor in a list as one group; differentiable."""
-    check_process_set(process_set, "grouped_allgather")
+    ps = check_process_set(process_set, "grouped_allgather")
     if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
         raise TypeError("grouped_allgather: expected a list of tensors, got "
                         f"{type(tensors).__name__}")
-    return list(_GroupedAllgather.apply(name, *tensors))
+    return list(_GroupedAllgather.apply(name, ps, *tensors))
 
 
 class _ListHandle(Handle):
@@ -437,41 +452,40 @@ class _ListHandle(Handle):
 
 # ---------------------------------------------------------------- broadcast
 
-def _check_root(root_rank, what: str) -> int:
+def _check_root(root_rank, what: str, ps=None) -> int:
+    """root_rank (a global rank, as in Horovod) checked against the op's process set."""
     try:
         root = int(root_rank)
     except (TypeError, ValueError):
         raise TypeError(f"{what}: root_rank must be an int, got {root_rank!r}") from None
-    if not 0 <= root < _c.size():
-        raise ValueError(f"{what} on rank {_c.rank()}: root_rank {root} is out of range "
-                         f"for {_c.size()} ranks")
+    _c.ops.check_root(root, what, None if ps is None or ps is global_process_set else ps.ranks)
     return root
 
 
-def _broadcast_submit(tensor, root_rank, name) -> Handle:
+def _broadcast_submit(tensor, root_rank, name, ps=None) -> Handle:
     _tu.check_tensor(tensor, "broadcast")
-    root = _check_root(root_rank, "broadcast")
+    root = _check_root(root_rank, "broadcast", ps)
     if _tu.gpu_direct(tensor):  # NCCL broadcasts in place: into a copy
         out = tensor.detach().clone(memory_format=torch.contiguous_format)
-        inner = _c.broadcast_async_(_tu.as_buffer(out), root, name=name)
+        inner = _c.broadcast_async_(_tu.as_buffer(out), root, name=name, process_set=ps)
         return Handle(inner, lambda _result: out, keep=(out,))
     src = _tu.contiguous_input(tensor)
-    inner = _c.broadcast_async(_tu.as_buffer(src), root, name=name)
+    inner = _c.broadcast_async(_tu.as_buffer(src), root, name=name, process_set=ps)
     return Handle(inner, _to_result(tensor), keep=(src,))
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> Handle:
     """Start sending root_rank's `tensor` to every rank, into a new tensor."""
-    check_process_set(process_set, "broadcast_async")
-    return _broadcast_submit(tensor, root_rank, name)
+    ps = check_process_set(process_set, "broadcast_async")
+    return _broadcast_submit(tensor, root_rank, name, ps)
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set) -> Handle:
     """Start an in-place broadcast: `tensor` holds root_rank's values after synchronize()."""
-    check_process_set(process_set, "broadcast_async_")
-    root = _check_root(root_rank, "broadcast_async_")
+    ps = check_process_set(process_set, "broadcast_async_")
+    root = _check_root(root_rank, "broadcast_async_", ps)
     return _inplace(tensor, "broadcast_async_", False,
-                    lambda buf: _c.broadcast_async_(buf, root, name=name))
+                    lambda buf: _c.broadcast_async_(buf, root, name=name, process_set=ps))
 
 
 def broadcast_(tensor, root_rank, name=None, process_set=global_process_set) -> torch.Tensor:
@@ -483,31 +497,31 @@ class _Broadcast(torch.autograd.Function):
     """broadcast whose gradient is the averaged gradient on the root and zero elsewhere (Horovod)."""
 
     @staticmethod
-    def forward(ctx, tensor, root_rank, name):
-        ctx.root = root_rank
-        return synchronize(_broadcast_submit(tensor, root_rank, name))
+    def forward(ctx, tensor, root_rank, name, ps):
+        ctx.root, ctx.ps = root_rank, ps
+        return synchronize(_broadcast_submit(tensor, root_rank, name, ps))
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad = synchronize(_allreduce_submit(grad_output, None, Average, 1.0, 1.0))
+        grad = synchronize(_allreduce_submit(grad_output, None, Average, 1.0, 1.0, ctx.ps))
         if _c.rank() != ctx.root:
             grad.zero_()
-        return grad, None, None
+        return grad, None, None, None
 
 
 def broadcast(tensor, root_rank, name=None, process_set=global_process_set) -> torch.Tensor:
     """root_rank's `tensor` on every rank, as a new tensor; differentiable."""
-    check_process_set(process_set, "broadcast")
-    return _Broadcast.apply(tensor, root_rank, name)
+    ps = check_process_set(process_set, "broadcast")
+    return _Broadcast.apply(tensor, root_rank, name, ps)
 
 
 # ---------------------------------------------------------------- alltoall
 
-def _alltoall_submit(tensor, splits, name) -> Handle:
+def _alltoall_submit(tensor, splits, name, ps=None) -> Handle:
     _tu.check_tensor(tensor, "alltoall")
     split_list = _tu.int_list(splits, "alltoall")
     src = _tu.contiguous_input(tensor)
-    inner = _c.alltoall_async(_tu.as_buffer(src), splits=split_list, name=name)
+    inner = _c.alltoall_async(_tu.as_buffer(src), splits=split_list, name=name, process_set=ps)
 
     def finish(result):
         received, received_splits = result
@@ -519,24 +533,24 @@ def _alltoall_submit(tensor, splits, name) -> Handle:
 
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set) -> Handle:
     """Start sending splits[p] rows of `tensor` to rank p; synchronize() gives (received, received_splits)."""
-    check_process_set(process_set, "alltoall_async")
-    return _alltoall_submit(tensor, splits, name)
+    ps = check_process_set(process_set, "alltoall_async")
+    return _alltoall_submit(tensor, splits, name, ps)
 
 
 class _Alltoall(torch.autograd.Function):
     """alltoall whose gradient is the alltoall of the gradient back along the received splits."""
 
     @staticmethod
-    def forward(ctx, tensor, splits, name):
-        received, received_splits = synchronize(_alltoall_submit(tensor, splits, name))
-        ctx.received_splits = received_splits
+    def forward(ctx, tensor, splits, name, ps):
+        received, received_splits = synchronize(_alltoall_submit(tensor, splits, name, ps))
+        ctx.received_splits, ctx.ps = received_splits, ps
         ctx.mark_non_differentiable(received_splits)
         return received, received_splits
 
     @staticmethod
     def backward(ctx, grad_output, _grad_splits):
-        grad, _ = synchronize(_alltoall_submit(grad_output, ctx.received_splits, None))
-        return grad, None, None
+        grad, _ = synchronize(_alltoall_submit(grad_output, ctx.received_splits, None, ctx.ps))
+        return grad, None, None, None
 
 
 def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
@@ -545,19 +559,20 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
     As in Horovod >= 0.26: returns `received` when splits is None, else
     `(received, received_splits)`.
     """
-    check_process_set(process_set, "alltoall")
-    received, received_splits = _Alltoall.apply(tensor, splits, name)
+    ps = check_process_set(process_set, "alltoall")
+    received, received_splits = _Alltoall.apply(tensor, splits, name, ps)
     return received if splits is None else (received, received_splits)
 
 
 # ---------------------------------------------------------------- reducescatter
 
-def _reducescatter_submit(tensor, name, op, prescale_factor, postscale_factor) -> Handle:
+def _reducescatter_submit(tensor, name, op, prescale_factor, postscale_factor,
+                          ps=None) -> Handle:
     _tu.check_tensor(tensor, "reducescatter", reduction=True)
     src = _tu.contiguous_input(tensor)
     inner = _c.reducescatter_async(_tu.as_buffer(src), op=op, name=name,
                                    prescale_factor=prescale_factor,
-                                   postscale_factor=postscale_factor)
+                                   postscale_factor=postscale_factor, process_set=ps)
     return Handle(inner, _to_result(tensor), keep=(src,))
 
 
@@ -572,8 +587,8 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
                         prescale_factor=1.0, postscale_factor=1.0) -> Handle:
     """Start reducing `tensor` over ranks; rank r gets its share of dimension 0."""
     op = _scatter_op(op, "reducescatter_async")
-    check_process_set(process_set, "reducescatter_async")
-    return _reducescatter_submit(tensor, name, op, prescale_factor, postscale_factor)
+    ps = check_process_set(process_set, "reducescatter_async")
+    return _reducescatter_submit(tensor, name, op, prescale_factor, postscale_factor, ps)
 
 
 class _Reducescatter(torch.autograd.Function):
@@ -585,23 +600,23 @@ class _Reducescatter(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, tensor, name, op, prescale_factor, postscale_factor):
-        ctx.scale = _reducescatter_scale(op, prescale_factor, postscale_factor)
+    def forward(ctx, tensor, name, op, prescale_factor, postscale_factor, ps):
+        ctx.scale, ctx.ps = _reducescatter_scale(op, prescale_factor, postscale_factor, ps), ps
         return synchronize(_reducescatter_submit(tensor, name, op, prescale_factor,
-                                                 postscale_factor))
+                                                 postscale_factor, ps))
 
     @staticmethod
     def backward(ctx, grad_output):
-        return _reducescatter_grad(grad_output, ctx.scale), None, None, None, None
+        return _reducescatter_grad(grad_output, ctx.scale, ctx.ps), None, None, None, None, None
 
 
-def _reducescatter_scale(op, prescale_factor, postscale_factor) -> float:
+def _reducescatter_scale(op, prescale_factor, postscale_factor, ps=None) -> float:
     """The factor on reducescatter's gradient: as an allreduce's, Sum times the ranks."""
-    return prescale_factor * postscale_factor * (_c.size() if op == Sum else 1)
+    return prescale_factor * postscale_factor * (_set_size(ps) if op == Sum else 1)
 
 
-def _reducescatter_grad(grad_output, scale: float):
-    grad = synchronize(_allgather_submit(grad_output, None))
+def _reducescatter_grad(grad_output, scale: float, ps=None):
+    grad = synchronize(_allgather_submit(grad_output, None, ps))
     return grad * scale if scale != 1 else grad
 
 
@@ -610,9 +625,9 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
                   postscale_factor=1.0) -> torch.Tensor:
     """Reduce `tensor` over ranks and keep this rank's rows, as a new tensor; differentiable."""
     op = _scatter_op(op, "reducescatter")
-    check_process_set(process_set, "reducescatter")
+    ps = check_process_set(process_set, "reducescatter")
     compressed, ctx = compression.compress(tensor)
-    out = _Reducescatter.apply(compressed, name, op, prescale_factor, postscale_factor)
+    out = _Reducescatter.apply(compressed, name, op, prescale_factor, postscale_factor, ps)
     return compression.decompress(out, ctx)
 
 
@@ -628,15 +643,16 @@ class _GroupedReducescatter(torch.autograd.Function):
     """grouped_reducescatter: all submitted before any is waited on; gradients as reducescatter's."""
 
     @staticmethod
-    def forward(ctx, name, op, prescale_factor, postscale_factor, *tensors):
-        ctx.scale = _reducescatter_scale(op, prescale_factor, postscale_factor)
+    def forward(ctx, name, op, prescale_factor, postscale_factor, ps, *tensors):
+        ctx.scale, ctx.ps = _reducescatter_scale(op, prescale_factor, postscale_factor, ps), ps
         handles = [_reducescatter_submit(t, _member(name, i), op, prescale_factor,
-                                         postscale_factor) for i, t in enumerate(tensors)]
+                                         postscale_factor, ps) for i, t in enumerate(tensors)]
         return tuple(_ListHandle(handles).wait())
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, None, None, None, *[_reducescatter_grad(g, ctx.scale) for g in grads])
+        return (None, None, None, None, None,
+                *[_reducescatter_grad(g, ctx.scale, ctx.ps) for g in grads])
 
 
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
@@ -644,9 +660,10 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=A
                           postscale_factor=1.0) -> list:
     """Reducescatter each tensor in a list as one group; differentiable."""
     op = _scatter_op(op, "grouped_reducescatter")
-    check_process_set(process_set, "grouped_reducescatter")
+    ps = check_process_set(process_set, "grouped_reducescatter")
     compressed, ctxs = zip(*[compression.compress(t) for t in tensors])
-    outs = _GroupedReducescatter.apply(name, op, prescale_factor, postscale_factor, *compressed)
+    outs = _GroupedReducescatter.apply(name, op, prescale_factor, postscale_factor, ps,
+                                       *compressed)
     return [compression.decompress(o, c) for o, c in zip(outs, ctxs)]
 
 
@@ -659,5 +676,4 @@ def join(device=-1) -> int:
 
 def barrier(process_set=global_process_set) -> None:
     """Wait until every rank reaches this call."""
-    check_process_set(process_set, "barrier")
-    _c.barrier()
+    _c.barrier(process_set=check_process_set(process_set, "barrier"))

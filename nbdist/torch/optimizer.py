@@ -34,17 +34,19 @@ _OWNER = "_nbdist_hooked_by"
 class _SparseHandle:
     """A sparse gradient's reduction: allgather of its indices and values (as Horovod)."""
 
-    def __init__(self, grad: torch.Tensor, name: str, op):
+    def __init__(self, grad: torch.Tensor, name: str, op, process_set=global_process_set):
         grad = grad.coalesce()
-        self.shape, self.op = grad.shape, op
-        self.indices = allgather_async(grad.indices().t().contiguous(), name=f"{name}.indices")
-        self.values = allgather_async(grad.values().contiguous(), name=f"{name}.values")
+        self.shape, self.op, self.process_set = grad.shape, op, process_set
+        self.indices = allgather_async(grad.indices().t().contiguous(), name=f"{name}.indices",
+                                       process_set=process_set)
+        self.values = allgather_async(grad.values().contiguous(), name=f"{name}.values",
+                                      process_set=process_set)
 
     def wait(self) -> torch.Tensor:
         values = synchronize(self.values)
         indices = synchronize(self.indices).t()
         if self.op == Average:
-            values = values / _c.size()
+            values = values / (self.process_set.size() if self.process_set is not None else _c.size())
         return torch.sparse_coo_tensor(indices, values, self.shape, check_invariants=True).coalesce()
 
 
@@ -52,8 +54,10 @@ class _DistributedMixin:
     """The distributed behaviour, placed before the wrapped optimizer's class in the MRO."""
 
     def _nbdist_setup(self, named_parameters, compression, backward_passes_per_step, op,
-                      gradient_predivide_factor, groups, sparse_as_dense):
+                      gradient_predivide_factor, groups, sparse_as_dense,
+                      process_set=global_process_set):
         self._compression = compression
+        self._process_set = process_set
         self.backward_passes_per_step = int(backward_passes_per_step)
         if self.backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
@@ -77,7 +81,9 @@ class _DistributedMixin:
         self._hook_handles = []
         self._setup_groups(groups)
         # One rank has nothing to average with: behave as the plain optimizer (as Horovod).
-        self._active = _c.size() > 1
+        # A rank outside the optimizer's process set trains alone (as in Horovod).
+        self._active = (bool(process_set is None or process_set.included())
+                        and (process_set.size() if process_set is not None else _c.size()) > 1)
         if self._active:
             self._register_hooks()
 
@@ -197,12 +203,13 @@ class _DistributedMixin:
         if p.grad is not None and p.grad.is_sparse and not self.sparse_as_dense:
             if self.op not in (Average, Sum):
                 raise ValueError(f"sparse gradient of {name}: only op=Average or Sum is supported")
-            self._handles[p] = (_SparseHandle(p.grad, name, self.op), None)
+            self._handles[p] = (_SparseHandle(p.grad, name, self.op, self._process_set), None)
             return
         grad = self._dense_grad(p)
         compressed, ctx = self._compression.compress(grad)
         handle = allreduce_async_(compressed, name=name, op=self.op,
-                                  prescale_factor=self._prescale, postscale_factor=self._postscale)
+                                  prescale_factor=self._prescale, postscale_factor=self._postscale,
+                                  process_set=self._process_set)
         self._handles[p] = (handle, (compressed, ctx))
 
     def _submit_group(self, group: tuple) -> None:
@@ -211,7 +218,8 @@ class _DistributedMixin:
         handle = grouped_allreduce_async_(list(compressed),
                                           name=f"grouped_{self._parameter_names[group[0]]}",
                                           op=self.op, prescale_factor=self._prescale,
-                                          postscale_factor=self._postscale)
+                                          postscale_factor=self._postscale,
+                                          process_set=self._process_set)
         self._handles[group] = (handle, list(zip(compressed, ctxs)))
         self._group_ready[group] = 0
 
@@ -360,7 +368,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                         f"{type(optimizer).__name__}")
     if isinstance(optimizer, _DistributedMixin):
         raise ValueError("this optimizer is already a DistributedOptimizer")
-    check_process_set(process_set, "DistributedOptimizer")
+    if process_set is not None and process_set.included():
+        check_process_set(process_set, "DistributedOptimizer")
     if op == Adasum:
         raise NotImplementedError("DistributedOptimizer(op=Adasum) is not implemented in nbdist "
                                   "yet; use op=hvd.Average (the default)")
@@ -382,5 +391,5 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     dist.__dict__.update({k: v for k, v in optimizer.__dict__.items()
                           if k not in ("step", "zero_grad")})
     dist._nbdist_setup(named_parameters, compression, backward_passes_per_step, op,
-                       gradient_predivide_factor, groups, sparse_as_dense)
+                       gradient_predivide_factor, groups, sparse_as_dense, process_set)
     return dist

@@ -192,3 +192,31 @@ def test_numpy_reference_of_scaling_helper():
     assert horovod_scaled(torch.tensor([-7, 7]), 0.5).tolist() == [-3, 3]
     assert np.isclose(horovod_scaled(torch.tensor([3.0], dtype=torch.float16), 0.1).item(),
                       np.float16(np.float32(3.0) * np.float32(0.1)))
+
+
+def test_distributed_optimizer_on_a_process_set():
+    """Members average over their set; a rank outside it trains alone (Horovod)."""
+    even = hvd.add_process_set([r for r in range(N()) if r % 2 == 0])
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1, bias=False)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                       named_parameters=model.named_parameters(),
+                                       process_set=even)
+        if even.included():
+            hvd.broadcast_parameters(model.state_dict(), root_rank=0, process_set=even)
+        before = model.weight.detach().clone()
+        model(torch.full((1, 3), float(R() + 1))).sum().backward()
+        opt.step()
+        step = before - model.weight.detach()
+        if even.included():
+            members = even.ranks
+            want = sum(r + 1 for r in members) / len(members)
+        else:
+            want = R() + 1.0
+        assert torch.allclose(step, torch.full((1, 3), want))
+        weights = hvd.allgather_object(model.weight.detach().tolist())
+        if even.included():
+            assert all(weights[r] == weights[0] for r in even.ranks)
+    finally:
+        hvd.remove_process_set(even)

@@ -371,7 +371,7 @@ def test_bad_inputs_fail_before_sending():
         hvd.allreduce(torch.ones(2, dtype=torch.complex64))
     with pytest.raises(NotImplementedError, match="Adasum"):
         hvd.allreduce(torch.ones(2), op=hvd.Adasum)
-    with pytest.raises(NotImplementedError, match="process set"):
+    with pytest.raises(ValueError, match="not registered"):
         hvd.allreduce(torch.ones(2), process_set=hvd.ProcessSet([0]))
     assert torch.all(hvd.allreduce(torch.ones(2), process_set=hvd.global_process_set) == 1)
 
