@@ -111,6 +111,11 @@ void bind_shm(py::module_& m) {
       .def("abort", [](PyShm& s, const std::string& reason) { s.comm().abort(reason); },
            py::call_guard<py::gil_scoped_release>())
       .def("abort_reason", [](PyShm& s) { return s.comm().abort_reason(); })
+      .def("ring", [](PyShm& s) { s.comm().ring(); },
+           "Wake this process's wait_activity (any thread).")
+      .def("wait_activity", [](PyShm& s, double timeout_s) { return s.comm().wait_activity(timeout_s); },
+           py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>(),
+           "Sleep until a peer starts an op, ring(), an abort, or the timeout: 1, 2, 3 or 0.")
       .def("clear_shared", [](PyShm& s) { s.comm().clear_shared(); })
       .def("reset_local", [](PyShm& s) { s.comm().reset_local(); })
       .def("barrier",

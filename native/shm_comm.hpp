@@ -13,6 +13,7 @@
 // slower ones still reduce the current one: copying and reducing overlap.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdint>
@@ -74,6 +75,15 @@ class ShmComm {
                  const std::vector<int64_t>& recv_bytes, WaitContext& ctx);
   void barrier(WaitContext& ctx);
 
+  // The engine's agreement loop uses one segment of its own and, between its
+  // cycles, sleeps here (GIL released) instead of polling: until a peer has started
+  // an op this rank has not (its counter passed ours: the peer began a cycle), ring()
+  // was called (this process queued work), the segment was aborted, or timeout_s
+  // passed. Returns 1 (peer), 2 (rung), 3 (aborted) or 0 (timeout).
+  int wait_activity(double timeout_s);
+  // Wakes this process's wait_activity (any thread; a futex wake only if it sleeps).
+  void ring();
+
   // Tuning (set from Python before the first op).
   void set_spin(int spin_iters, int yield_iters) { spin_iters_ = spin_iters; yield_iters_ = yield_iters; }
   void set_small_bytes(size_t b) { small_bytes_ = b; }
@@ -105,7 +115,9 @@ class ShmComm {
   int spin_iters_ = 2000;
   int yield_iters_ = 200;
   size_t small_bytes_ = 64 * 1024;
-  size_t stream_bytes_ = SIZE_MAX;  // allreduces of at least this many bytes stream their output
+  size_t stream_bytes_ = SIZE_MAX;
+  std::atomic<uint64_t> doorbell_{0};  // ring() count (this process only)
+  uint64_t doorbell_seen_ = 0;         // the count wait_activity last returned on  // allreduces of at least this many bytes stream their output
 };
 
 }  // namespace nbdist

@@ -200,4 +200,47 @@ void ShmComm::wait_for(int who, uint64_t phase, WaitContext& ctx) {
   }
 }
 
+void ShmComm::ring() {
+  doorbell_.fetch_add(1, std::memory_order_seq_cst);
+  if (hdr_ != nullptr && hdr_->sleepers.load(std::memory_order_seq_cst) != 0) {
+    hdr_->wake_word.fetch_add(1, std::memory_order_seq_cst);
+    futex_wake_all(&hdr_->wake_word);
+  }
+}
+
+int ShmComm::wait_activity(double timeout_s) {
+  if (hdr_ == nullptr) return 3;
+  RankState* ranks = hdr_->ranks;
+  auto state = [&]() -> int {
+    if (hdr_->abort.state.load(std::memory_order_acquire) != 0) return 3;
+    uint64_t rung = doorbell_.load(std::memory_order_seq_cst);
+    if (rung != doorbell_seen_) {
+      doorbell_seen_ = rung;
+      return 2;
+    }
+    for (int r = 0; r < n_; ++r)
+      if (r != rank_ && ranks[r].seq.load(std::memory_order_acquire) > gen_) return 1;
+    return 0;
+  };
+  int s = state();
+  if (s != 0) return s;
+  // A short yield phase first: a peer's cycle usually follows within microseconds
+  // of our own (both ranks submit the same step), and a futex round trip costs more.
+  for (int i = 0; i < yield_iters_ / 4; ++i) {
+    sched_yield();
+    if ((s = state()) != 0) return s;
+  }
+  const auto start = std::chrono::steady_clock::now();
+  while (true) {
+    double left = timeout_s - seconds_since(start);
+    if (left <= 0) return 0;
+    hdr_->sleepers.fetch_add(1, std::memory_order_seq_cst);
+    uint32_t word = hdr_->wake_word.load(std::memory_order_seq_cst);
+    s = state();
+    if (s == 0) futex_wait(&hdr_->wake_word, word, static_cast<long>(std::min(left, 1.0) * 1e9));
+    hdr_->sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    if (s != 0 || (s = state()) != 0) return s;
+  }
+}
+
 }  // namespace nbdist

@@ -15,10 +15,20 @@ times a second to notice stalled ops of other ranks).
 An abort (a rank raised or was interrupted) goes to rank 0, which fails every op in
 flight on every rank and starts a new epoch; requests sent before a rank learned of
 the new epoch are ignored, so the next cell starts clean.
+
+When every rank of the engine is on one node and the shm transport runs, the ranks
+agree through shared memory instead, each with a replica of the coordinator and no
+round trip to rank 0 (agreement.py); NBDIST_AGREEMENT=coordinator keeps the MPI path.
+
+The interface (the same in both modes; process sets build one Engine per set over
+that set's communicators, so nothing here is global): Engine(topology, config,
+transports_factory); submit(Request) queues an op and completes its Handle;
+abort(reason); stop(); auto_name(kind).
 """
 from __future__ import annotations
 
 import collections
+import os
 import sys
 import threading
 import time
@@ -101,13 +111,34 @@ class Engine:
         self.auto_name_counter = 0
         self.join_round = 0  # completed join() calls: part of unnamed ops' names
         self.last_response_at = 0.0
-        self.coordinator = (Coordinator(self.size, config.fusion_threshold, config.cache_capacity,
-                                        config.stall_warning_s, config.timeout_s, warn=self._warn)
-                            if self.rank == COORDINATOR else None)
         self.transports = transports_factory(self._should_stop)
         self.executor = Executor(self.rank, self.size, self.transports.for_op)
-        self._thread = threading.Thread(target=self._run, name="nbdist-engine", daemon=True)
+        self.agreement = None
+        self.coordinator = None
+        if self._use_shm_agreement():
+            from .agreement import ShmAgreement
+
+            self.agreement = ShmAgreement(self, topology, config)
+            self._cache = self.agreement.coord.cache_by_name  # name -> cache id (for tests)
+        elif self.rank == COORDINATOR:
+            self.coordinator = Coordinator(self.size, config.fusion_threshold,
+                                           config.cache_capacity, config.stall_warning_s,
+                                           config.timeout_s, warn=self._warn)
+        run = self._run_shm if self.agreement is not None else self._run
+        self._thread = threading.Thread(target=run, name="nbdist-engine", daemon=True)
         self._thread.start()
+
+    def _use_shm_agreement(self) -> bool:
+        """Agree through shared memory: one node, shm transport (the same answer on every rank)."""
+        mode = os.environ.get("NBDIST_AGREEMENT", "auto").strip().lower() or "auto"
+        if mode not in ("auto", "shm", "coordinator"):
+            raise ValueError(f"NBDIST_AGREEMENT={mode!r}: use auto, shm or coordinator")
+        on_one_node = (self.size > 1 and self.topology.local_size == self.size
+                       and getattr(self.transports, "cpu_mode", "") == "shm")
+        if mode == "shm" and not on_one_node:
+            raise ValueError("NBDIST_AGREEMENT=shm needs every rank on one node with the shm "
+                             "transport (the native module, and NBDIST_CPU_OPERATIONS not mpi)")
+        return on_one_node and mode != "coordinator"
 
     # -- user-thread side ----------------------------------------------------------------
     def auto_name(self, kind: str) -> str:
@@ -134,11 +165,15 @@ class Engine:
                            f"{self.rank} while in flight; give each in-flight op its own name")
                 self._control.append(("poison", request.name, message))
                 self._cv.notify()
+                if self.agreement is not None:
+                    self.agreement.ring()
                 raise ValueError(message)
             self._names_in_flight.add(request.name)
             self._queue.append(request)
             self._cv.notify()
         timeline.op_submitted(request.kind, request.name)
+        if self.agreement is not None:
+            self.agreement.ring()
 
     def abort(self, reason: str, wait_s: float = 5.0) -> None:
         """Fail every op in flight on every rank with `reason`.
@@ -150,6 +185,8 @@ class Engine:
             epoch = self.epoch
             self._control.append(("abort", reason))
             self._cv.notify()
+        if self.agreement is not None:
+            self.agreement.ring()
         deadline = time.monotonic() + wait_s
         while self.epoch == epoch and time.monotonic() < deadline and not self._broken:
             time.sleep(0.001)
@@ -158,8 +195,13 @@ class Engine:
         with self._cv:
             self._stopping = True
             self._cv.notify()
+        if self.agreement is not None:
+            self.agreement.ring()
         self._thread.join(timeout)
         self._fail_all(errors.NbdistError("nbdist was shut down while this op was in flight"))
+        if self.agreement is not None and not self._thread.is_alive():
+            # Peers waiting in a cycle for this rank fail now instead of at their timeout.
+            self.agreement.close(f"rank {self.rank} shut down nbdist")
         self.transports.close()
 
     # -- background thread -----------------------------------------------------------------
@@ -202,6 +244,52 @@ class Engine:
                             f"error: {type(exc).__name__}: {exc}; call shutdown() and init() again")
             self._warn(self._broken + "\n" + traceback.format_exc())
             self._fail_all(errors.RuntimeBrokenError(self._broken))
+
+    def _run_shm(self) -> None:
+        """The engine thread with the shm agreement: cycle when there is news, else sleep."""
+        agreement = self.agreement
+        _fine_timer_slack()
+        try:
+            while True:
+                with self._cv:
+                    if self._stopping:
+                        return
+                    new = list(self._queue)
+                    self._queue.clear()
+                    control = list(self._control)
+                    self._control.clear()
+                now = time.monotonic()
+                items = agreement.prepare(new, control, now)
+                if items or agreement.must_cycle(now):
+                    agreement.cycle(items)
+                    continue
+                woke = agreement.wait(agreement.next_timeout(now))
+                if woke == 1:  # a peer started a cycle: join it (with whatever is queued now)
+                    with self._cv:
+                        new = list(self._queue)
+                        self._queue.clear()
+                        control = list(self._control)
+                        self._control.clear()
+                    agreement.cycle(agreement.prepare(new, control, time.monotonic()))
+                elif woke == 3:  # the segment was aborted: a peer died, shut down or gave up
+                    reason = agreement.native.abort_reason()
+                    self._broken = (f"nbdist runtime on rank {self.rank} stopped: {reason}; "
+                                    "call shutdown() and init() again")
+                    self._fail_all(errors.RuntimeBrokenError(self._broken))
+                    return
+        except BaseException as exc:  # a transport failure: the runtime cannot go on
+            self._broken = (f"nbdist runtime on rank {self.rank} stopped after an internal "
+                            f"error: {type(exc).__name__}: {exc}; call shutdown() and init() again")
+            if not self._stopping:
+                self._warn(self._broken + "\n" + traceback.format_exc())
+            self._fail_all(errors.RuntimeBrokenError(self._broken))
+
+    def _on_abort(self, epoch: int, reason: str) -> None:
+        """Every rank: fail every op in flight with the abort's reason; a new epoch starts."""
+        self._fail_all(errors.AbortedError(reason))
+        self.auto_name_counter = 0
+        self._abort_sent = False
+        self.epoch = epoch  # last: abort() returns once it sees this
 
     def _idle(self) -> bool:
         coordinator_idle = self.coordinator is None or not self.coordinator.has_work()
@@ -350,10 +438,7 @@ class Engine:
     def _on_broadcast(self, message: tuple) -> None:
         kind, epoch = message[0], message[1]
         if kind == "abort":
-            self._fail_all(errors.AbortedError(message[2]))
-            self.auto_name_counter = 0
-            self._abort_sent = False
-            self.epoch = epoch  # last: abort() returns once it sees this
+            self._on_abort(epoch, message[2])
             return
         templates = self._templates
         if timeline.active() is not None:  # all of this message is agreed: QUEUE from here
@@ -390,5 +475,7 @@ class Engine:
             self._queue.clear()
             self._local.clear()
             self._names_in_flight.clear()
+        if self.agreement is not None:
+            self.agreement.bit_pending.clear()
         for req in pending:
             req.handle.set_error(error)

@@ -322,6 +322,47 @@ class Coordinator:
         return None
 
     # -- stalls ------------------------------------------------------------------------
+    def overdue(self) -> list[tuple[str, float]]:
+        """Warn about stalled ops (as check_stalls does); return (name, age) of those past the
+        timeout without failing them: the shm agreement sends these to every rank's replica
+        (fail_stalled), so that one clock, rank 0's, decides for all."""
+        now = self.clock()
+        due = []
+        everyone = set(range(self.size))
+        for name, pending in self.pending.items():
+            if pending.is_ready:
+                continue
+            age = now - pending.first_seen
+            if self.stall_warning_s and age >= self.stall_warning_s and not pending.warned:
+                pending.warned = True
+                submitted = set(pending.sigs)
+                kind = next(iter(pending.sigs.values()))[SIG_KIND]
+                self.warn(f"nbdist: stall: {kind} '{name}' has waited {age:.0f} s: "
+                          f"submitted by {rank_list(submitted)}, missing on "
+                          f"{rank_list(everyone - submitted - set(self.joined))}"
+                          + (f"; it fails after {self.timeout_s:g} s (NBDIST_TIMEOUT_S)"
+                             if self.timeout_s else ""))
+            if self.timeout_s and age >= self.timeout_s:
+                due.append((name, age))
+        return due
+
+    def fail_stalled(self, name: str, age: float) -> list[Response]:
+        """Fail one op that timed out (decided by overdue() on rank 0); [] if it is gone."""
+        pending = self.pending.get(name)
+        if pending is None or pending.is_ready:
+            return []
+        del self.pending[name]
+        submitted = set(pending.sigs)
+        missing = set(range(self.size)) - submitted - set(self.joined)
+        kind = next(iter(pending.sigs.values()))[SIG_KIND]
+        error = ("CollectiveTimeoutError",
+                 f"{kind} '{name}' timed out after {age:.0f} s (NBDIST_TIMEOUT_S="
+                 f"{self.timeout_s:g}): {rank_list(missing)} never submitted it "
+                 f"({rank_list(submitted)} did)")
+        if missing and len(self.tombstones) < 10000:
+            self.tombstones[name] = (error, set(missing))
+        return [Response(kind=kind, names=[name], error=error, targets=tuple(sorted(submitted)))]
+
     def check_stalls(self) -> list[Response]:
         """Warn about ops some ranks never submitted; fail them after the timeout."""
         now = self.clock()

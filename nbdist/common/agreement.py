@@ -1,0 +1,205 @@
+"""Agreement on one node through shared memory: every rank decides the same, no round trip to rank 0.
+
+Used by the engine when all of its ranks share one node and the native module is
+there (the shm CPU transport); across nodes, or with NBDIST_AGREEMENT=coordinator, the
+engine keeps its MPI coordinator (engine.py). Horovod's model, in lockstep cycles:
+
+  cycle   every rank contributes one small int32 vector to a Min-allreduce on an shm
+          segment of this engine's own: slot r holds -(bytes of rank r's new items),
+          then one slot per cached response holds 1 if this rank has that op queued.
+          The Min is the AND of the cache bits: the repeated ops ready on every rank,
+          known at once on every rank, with no message through rank 0.
+  items   when some rank has new items (an op seen for the first time or changed, an
+          abort, a duplicate-name refusal, rank 0's timeouts), they are pickled and
+          allgathered over the same segment, and every rank feeds all of them, in rank
+          order, into its own replica of the Coordinator (negotiation.py): the same
+          inputs in the same order give the same responses, fusion and cache ids on
+          every rank, and the same MismatchError messages as before.
+  run     every rank runs the same units in the same order (execution.Executor).
+
+A rank starts a cycle only when it has something new to say; the others join when
+they see its counter move (ShmComm.wait_activity: a futex sleep, so an idle or waiting
+engine costs no CPU, and no rank polls). Time-based decisions are made by one clock:
+rank 0 sends the timeouts as items. A cached op still waiting after DEMOTE_S goes
+through the items path, so the replicas see who is missing (stall warnings, timeouts).
+While ops are in flight a rank starts an empty cycle every KEEPALIVE_S: the native wait
+inside it notices a dead peer (and names it) within ~0.1 s.
+"""
+from __future__ import annotations
+
+import pickle
+import time
+
+import numpy as np
+
+from . import timeline
+from .negotiation import Coordinator
+from .ops_base import ReduceOp
+from .requests import Request
+
+DEMOTE_S = 0.25  # a cached op waiting longer than this is sent in full (stall bookkeeping)
+KEEPALIVE_S = 0.5  # with ops in flight, cycle at least this often (dead-peer detection)
+STALL_CHECK_INTERVAL_S = 0.05  # rank 0 looks for timed-out ops at most this often
+CONTROL_SLOT_BYTES = 64 * 1024
+
+
+def _quiet(message: str) -> None:
+    """Stall warnings are printed by rank 0 only (every replica computes them)."""
+
+
+class ShmAgreement:
+    """One engine's agreement state: the control segment, the coordinator replica, cache bits."""
+
+    def __init__(self, engine, topology, config):
+        from .transports.shm import ShmTransport
+
+        if topology.local_size != topology.size:
+            raise ValueError("the shm agreement needs every rank of the engine on one node")
+        self.engine = engine
+        self.rank, self.size = topology.rank, topology.size
+        # A segment of this engine's own (one per engine, so one per process set).
+        self.seg = ShmTransport(topology.local_comm, topology.rank, config.timeout_s,
+                                engine._should_stop, slot_bytes=CONTROL_SLOT_BYTES, nsets=2)
+        self.native = self.seg._native
+        self.coord = Coordinator(self.size, config.fusion_threshold, config.cache_capacity,
+                                 config.stall_warning_s, config.timeout_s,
+                                 warn=engine._warn if self.rank == 0 else _quiet)
+        self.bit_pending: dict[int, Request] = {}  # cache id -> this rank's queued op
+        self.last_stall_check = 0.0
+        self.last_cycle = 0.0
+        self.news = False
+        self.stats = {"cycles": 0, "item_cycles": 0}
+
+    # -- what this rank has to say --------------------------------------------------------
+    def _bit_ok(self, name: str) -> bool:
+        """A cached op may wait as a bit unless the replicas track it by name (deterministic)."""
+        coord = self.coord
+        return not coord.joined and name not in coord.pending and name not in coord.tombstones
+
+    def prepare(self, new: list[Request], control: list[tuple], now: float) -> list[tuple]:
+        """Take in new requests and control items; the items to send in the next cycle."""
+        coord, items = self.coord, []
+        local = self.engine._local
+        for req in new:
+            req.sent_at = now
+            local[req.name] = req
+            cid = coord.cache_by_name.get(req.name)
+            if cid is not None and coord.cache_by_id[cid].sigs.get(self.rank) == req.signature:
+                if self._bit_ok(req.name):
+                    self.bit_pending[cid] = req
+                    self.news = True  # a new bit: the next cycle may find the op ready
+                else:
+                    items.append(("r", cid))
+            else:
+                items.append(("r", (req.name, req.signature, req.named)))
+        for cid, req in list(self.bit_pending.items()):
+            if now - req.sent_at > DEMOTE_S or not self._bit_ok(req.name):
+                del self.bit_pending[cid]
+                items.append(("r", cid))
+        for item in control:
+            items.append(("a", item[1]) if item[0] == "abort" else ("p", item[1], item[2]))
+        if (self.rank == 0 and coord.pending
+                and now - self.last_stall_check >= STALL_CHECK_INTERVAL_S):
+            self.last_stall_check = now
+            items += [("t", name, age) for name, age in coord.overdue()]
+        return items
+
+    def must_cycle(self, now: float) -> bool:
+        """True when a cycle is due without new items: a new cache bit, or a keep-alive
+        while ops are in flight."""
+        return self.news or (bool(self.engine._local) and now - self.last_cycle >= KEEPALIVE_S)
+
+    def next_timeout(self, now: float) -> float:
+        """How long the engine may sleep before prepare()/must_cycle() could say something."""
+        timeout = 5.0
+        if self.engine._local:
+            timeout = KEEPALIVE_S - (now - self.last_cycle)
+        if self.bit_pending:
+            oldest = min(req.sent_at for req in self.bit_pending.values())
+            timeout = min(timeout, oldest + DEMOTE_S - now)
+        if self.rank == 0 and self.coord.pending:
+            timeout = min(timeout, STALL_CHECK_INTERVAL_S)
+        return max(timeout, 0.0005)
+
+    def wait(self, timeout: float) -> int:
+        """Sleep until a peer starts a cycle (1), ring() (2), an abort (3) or the timeout (0)."""
+        return self.native.wait_activity(timeout)
+
+    def ring(self) -> None:
+        self.native.ring()
+
+    # -- one cycle, collective over the engine's ranks ---------------------------------------
+    def cycle(self, items: list[tuple]) -> None:
+        eng, coord, size = self.engine, self.coord, self.size
+        self.last_cycle = time.monotonic()
+        self.news = False
+        self.stats["cycles"] += 1
+        payload = pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL) if items else b""
+        nbits = -(-len(coord.cache_by_id) // 16) * 16  # the same on every rank (replicas)
+        vec = np.zeros(size + nbits, np.int32)
+        vec[self.rank] = -len(payload)
+        if self.bit_pending:
+            vec[size + np.fromiter(self.bit_pending, np.int64, len(self.bit_pending))] = 1
+        self.seg.allreduce(vec, ReduceOp.Min)
+        lengths = (-vec[:size]).tolist()
+        per_rank: list[list] = [[] for _ in range(size)]
+        if any(lengths):
+            self.stats["item_cycles"] += 1
+            recv = np.empty(sum(lengths), np.uint8)
+            self.seg.allgatherv(np.frombuffer(payload, np.uint8), recv, lengths)
+            offset = 0
+            for r, n in enumerate(lengths):
+                if n:
+                    per_rank[r] = pickle.loads(recv[offset:offset + n])
+                offset += n
+        ready = np.flatnonzero(vec[size:]).tolist() if nbits else []
+
+        aborts = [item[1] for items_r in per_rank for item in items_r if item[0] == "a"]
+        if aborts:  # every rank fails every op in flight, and the next epoch starts clean
+            self.bit_pending.clear()
+            eng._on_abort(coord.abort(), aborts[0])
+            return
+        units: list[list] = []
+        poisoned = set()
+        for r, items_r in enumerate(per_rank):
+            for item in items_r:
+                tag = item[0]
+                if tag == "r":
+                    units += [[resp] for resp in coord.add(r, item[1])]
+                elif tag == "p":
+                    poisoned.add(item[1])
+                    units += [[resp] for resp in coord.poison(r, item[1], item[2])]
+                elif tag == "t":
+                    units += [[resp] for resp in coord.fail_stalled(item[1], item[2])]
+        if coord.has_ready():
+            by_id = coord.cache_by_id
+            units += [[by_id[e].response if e.__class__ is int else e for e in unit]
+                      for unit in coord.take_units()]
+        if ready:
+            by_id = coord.cache_by_id
+            if poisoned:  # its ranks learn of the refusal through the items path instead
+                ready = [c for c in ready if by_id[c].name not in poisoned]
+            for cid in ready:
+                del self.bit_pending[cid]
+            units += [[by_id[c].response for c in unit] for unit in coord._fuse(ready)]
+        local = eng._local
+        if units and timeline.active() is not None:  # agreed: QUEUE from here
+            timeline.cycle()
+            for unit in units:
+                for resp in unit:
+                    if resp.error is None:
+                        for name in resp.names:
+                            if name in local:
+                                timeline.op_agreed(resp.kind, name)
+        try:
+            for unit in units:
+                eng.executor.run_unit(unit, local, eng._release_names)
+        finally:
+            for cid, req in list(self.bit_pending.items()):  # completed or failed above
+                if local.get(req.name) is not req:
+                    del self.bit_pending[cid]
+
+    def close(self, reason: str) -> None:
+        """Release peers that wait in a cycle for this rank, then unmap the segment."""
+        self.seg.abort(reason)
+        self.seg.close()
