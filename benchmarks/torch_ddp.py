@@ -31,8 +31,31 @@ import torch.nn.functional as F
 import nbdist.torch as hvd
 
 
+class ResidualBlock(nn.Module):
+    """conv-BN-ReLU-conv-BN plus the input (a 1x1 conv-BN when the shape changes), then ReLU."""
+
+    def __init__(self, cin: int, cout: int, stride: int = 1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.skip = (nn.Identity() if stride == 1 and cin == cout else
+                     nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False),
+                                   nn.BatchNorm2d(cout)))
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(out)) + self.skip(x))
+
+
 def make_model(kind: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
+    if kind == "resnet":  # a small ResNet for 32x32 images: many small gradients (~40 tensors)
+        return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+                             ResidualBlock(16, 16), ResidualBlock(16, 32, 2), ResidualBlock(32, 32),
+                             ResidualBlock(32, 64, 2), ResidualBlock(64, 64),
+                             nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))
     if kind == "mlp":
         return nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
                              nn.Linear(1024, 512), nn.ReLU(), nn.Linear(512, 10))
@@ -83,7 +106,7 @@ def free_port() -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=["mlp", "cnn"], default="mlp")
+    parser.add_argument("--model", choices=["mlp", "cnn", "resnet"], default="mlp")
     parser.add_argument("--batch", type=int, default=64, help="samples per rank per step")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per phase and round")
     parser.add_argument("--warmup", type=int, default=5)

@@ -91,6 +91,26 @@ def test_stall_warning_then_timeout_then_tombstone():
     assert late[0].targets == (1,) and late[0].error[0] == "CollectiveTimeoutError"
 
 
+def test_overdue_then_fail_stalled_as_the_shm_agreement_uses_them():
+    """Rank 0's replica names the overdue ops; every replica fails them the same way."""
+    replicas = [make(size=4) for _ in range(2)]
+    for coord, clock, _ in replicas:
+        coord.add(0, ("s", sig(), True))
+        coord.add(2, ("s", sig(), True))
+    coord0, clock0, warnings0 = replicas[0]
+    clock0["t"] = 11
+    assert coord0.overdue() == [] and "missing on ranks 1, 3" in warnings0[0]
+    clock0["t"] = 21
+    ((name, age),) = coord0.overdue()
+    assert name == "s" and coord0.pending  # overdue() decides, it does not fail
+    failed = [coord.fail_stalled(name, age)[0] for coord, _, _ in replicas]
+    assert failed[0] == failed[1] and failed[0].targets == (0, 2)
+    assert "ranks 1, 3 never submitted it" in failed[0].error[1]
+    assert all(coord.fail_stalled(name, age) == [] for coord, _, _ in replicas)
+    late = replicas[1][0].add(3, ("s", sig(), True))
+    assert late[0].targets == (3,) and late[0].error[0] == "CollectiveTimeoutError"
+
+
 def test_join_lets_the_others_go_on():
     coord, _, _ = make(size=3)
     coord.add(0, ("__nbdist.join__", signature(JOIN, None), False))
