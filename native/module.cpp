@@ -111,6 +111,7 @@ void bind_shm(py::module_& m) {
       .def("abort", [](PyShm& s, const std::string& reason) { s.comm().abort(reason); },
            py::call_guard<py::gil_scoped_release>())
       .def("abort_reason", [](PyShm& s) { return s.comm().abort_reason(); })
+      .def("set_cma_bytes", [](PyShm& s, size_t b) { s.comm().set_cma_bytes(b); })
       .def("ring", [](PyShm& s) { s.comm().ring(); },
            "Wake this process's wait_activity (any thread).")
       .def("wait_activity", [](PyShm& s, double timeout_s) { return s.comm().wait_activity(timeout_s); },

@@ -1,7 +1,10 @@
 // The shared-memory collectives. Each op is a sequence of steps over chunks that
 // fit one slot set; see shm_comm.hpp for the phase counters. Every rank runs the
 // same number of steps and phases, whatever its own share of the data.
+#include <sys/uio.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <numeric>
 #include <stdexcept>
@@ -162,6 +165,7 @@ void ShmComm::broadcast(void* buf_, size_t bytes, int root, WaitContext& ctx) {
   check_not_aborted(ctx);
   if (bytes == 0 || n_ == 1) return;
   char* buf = static_cast<char*>(buf_);
+  if (cma_bytes_ && bytes >= cma_bytes_) return broadcast_cma(buf, bytes, root, ctx);
   const size_t cap = slot_bytes_ * n_;
   for (size_t off = 0; off < bytes; off += cap) {
     const size_t c = std::min(cap, bytes - off);
@@ -188,6 +192,9 @@ void ShmComm::allgatherv(const void* send_, void* recv_, const std::vector<int64
   check_not_aborted(ctx);
   const char* send = static_cast<const char*>(send_);
   char* recv = static_cast<char*>(recv_);
+  if (n_ > 1 && cma_bytes_ &&
+      static_cast<size_t>(std::accumulate(byte_counts.begin(), byte_counts.end(), int64_t{0})) >= cma_bytes_)
+    return allgatherv_cma(send, recv, byte_counts, ctx);
   const std::vector<size_t> displ = prefix(byte_counts);
   const size_t mine = static_cast<size_t>(byte_counts[rank_]);
   if (mine) std::memmove(recv + displ[rank_], send, mine);
@@ -300,6 +307,68 @@ void ShmComm::alltoallv(const void* send_, const std::vector<int64_t>& send_byte
     post(read);
     release_set(s, read);
   }
+}
+
+// Single-copy transfers (Linux CMA): a rank publishes its buffer's address in its
+// scratch word, peers read it with process_vm_readv, and the owner waits until all
+// have read before returning (its buffer may change right after).
+void ShmComm::read_peer(int q, char* dst, uintptr_t src, size_t len, WaitContext& ctx) {
+  while (len > 0) {
+    struct iovec local{dst, len}, remote{reinterpret_cast<void*>(src), len};
+    ssize_t got = process_vm_readv(hdr_->ranks[q].pid, &local, 1, &remote, 1, 0);
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) {
+      abort("rank " + std::to_string(global_rank_) + " could not read rank " +
+            std::to_string(hdr_->ranks[q].global_rank) + "'s buffer (process_vm_readv: " +
+            std::strerror(errno) + "); NBDIST_SHM_CMA_BYTES=0 turns single-copy transfers off");
+      fail_aborted(ctx);
+    }
+    dst += got;
+    src += static_cast<uintptr_t>(got);
+    len -= static_cast<size_t>(got);
+  }
+}
+
+void ShmComm::allgatherv_cma(const char* send, char* recv, const std::vector<int64_t>& byte_counts,
+                             WaitContext& ctx) {
+  const std::vector<size_t> displ = prefix(byte_counts);
+  wait_all(scratch_free_, ctx);  // every rank has read my previous scratch value
+  hdr_->ranks[rank_].scratch.store(static_cast<int64_t>(reinterpret_cast<uintptr_t>(send)),
+                                   std::memory_order_relaxed);
+  uint64_t shared = next_phase();
+  post(shared);  // seq_cst: publishes the address too
+  const size_t mine = static_cast<size_t>(byte_counts[rank_]);
+  wait_all(shared, ctx);
+  for (int k = 1; k < n_; ++k) {  // start at a different peer on each rank
+    int q = (rank_ + k) % n_;
+    size_t len = static_cast<size_t>(byte_counts[q]);
+    if (len)
+      read_peer(q, recv + displ[q],
+                static_cast<uintptr_t>(hdr_->ranks[q].scratch.load(std::memory_order_relaxed)), len, ctx);
+  }
+  if (mine) std::memmove(recv + displ[rank_], send, mine);  // peers read `send`, not this
+  uint64_t done = next_phase();
+  post(done);
+  wait_all(done, ctx);
+  scratch_free_ = done;
+}
+
+void ShmComm::broadcast_cma(char* buf, size_t bytes, int root, WaitContext& ctx) {
+  wait_all(scratch_free_, ctx);
+  if (rank_ == root)
+    hdr_->ranks[rank_].scratch.store(static_cast<int64_t>(reinterpret_cast<uintptr_t>(buf)),
+                                     std::memory_order_relaxed);
+  uint64_t shared = next_phase();
+  post(shared);
+  if (rank_ != root) {
+    wait_rank(root, shared, ctx);
+    read_peer(root, buf, static_cast<uintptr_t>(hdr_->ranks[root].scratch.load(std::memory_order_relaxed)),
+              bytes, ctx);
+  }
+  uint64_t done = next_phase();
+  post(done);
+  if (rank_ == root) wait_all(done, ctx);  // the root's buffer is read by all before it returns
+  scratch_free_ = done;
 }
 
 }  // namespace nbdist

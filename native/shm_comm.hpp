@@ -88,6 +88,10 @@ class ShmComm {
   void set_spin(int spin_iters, int yield_iters) { spin_iters_ = spin_iters; yield_iters_ = yield_iters; }
   void set_small_bytes(size_t b) { small_bytes_ = b; }
   void set_stream_bytes(size_t b) { stream_bytes_ = b; }
+  // allgathers/broadcasts of at least this many bytes read peers' buffers directly
+  // (Linux CMA, process_vm_readv: one copy instead of two through the slots); 0: never.
+  // The same value on every rank (the Python side probes that CMA works first).
+  void set_cma_bytes(size_t b) { cma_bytes_ = b; }
 
  private:
   uint64_t next_phase() { return ++gen_; }
@@ -101,6 +105,10 @@ class ShmComm {
   void release_set(int set, uint64_t phase) { free_phase_[set] = phase; }
   void check_not_aborted(const WaitContext& ctx);
 
+  void allgatherv_cma(const char* send, char* recv, const std::vector<int64_t>& byte_counts,
+                      WaitContext& ctx);
+  void broadcast_cma(char* buf, size_t bytes, int root, WaitContext& ctx);
+  void read_peer(int q, char* dst, uintptr_t src, size_t len, WaitContext& ctx);
   void allreduce_small(char* buf, size_t bytes, size_t count, int dtype, int op, WaitContext& ctx);
   void reduce_chunked(char* buf, size_t count, int dtype, int op, int root, WaitContext& ctx);
 
@@ -116,6 +124,7 @@ class ShmComm {
   int yield_iters_ = 200;
   size_t small_bytes_ = 64 * 1024;
   size_t stream_bytes_ = SIZE_MAX;
+  size_t cma_bytes_ = 0;
   std::atomic<uint64_t> doorbell_{0};  // ring() count (this process only)
   uint64_t doorbell_seen_ = 0;         // the count wait_activity last returned on  // allreduces of at least this many bytes stream their output
 };

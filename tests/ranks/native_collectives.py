@@ -294,3 +294,32 @@ def test_streaming_copy_out_gives_the_same_result(monkeypatch):
             same(buf, reference(n, np.float32, ReduceOp.Sum))
     finally:
         t.close()
+
+
+@pytest.mark.parametrize("cma_bytes", ["0", "1"], ids=["through-slots", "single-copy"])
+def test_allgather_and_broadcast_with_and_without_single_copy(monkeypatch, cma_bytes):
+    """NBDIST_SHM_CMA_BYTES: peers' buffers read directly (process_vm_readv) or through the slots."""
+    monkeypatch.setenv("NBDIST_SHM_CMA_BYTES", cma_bytes)
+    t = ShmTransport(COMM, RANK, timeout_s=60, slot_bytes=64 * 1024)
+    try:
+        for scale in (1, 3, 50_001):
+            counts = [scale * (r + 1) for r in range(SIZE)]
+            parts = [np.arange(c, dtype=np.float64) * (r + 2) for r, c in enumerate(counts)]
+            want = np.concatenate(parts)
+            recv = np.empty(want.size, np.float64)
+            t.allgatherv(parts[RANK], recv, counts)
+            same(recv, want)
+            # in place: this rank's part already sits in the output
+            start = sum(counts[:RANK])
+            inplace = np.zeros(want.size, np.float64)
+            inplace[start:start + counts[RANK]] = parts[RANK]
+            t.allgatherv(inplace[start:start + counts[RANK]], inplace, counts)
+            same(inplace, want)
+        for root in range(SIZE):
+            for nbytes in (5, 300_001):
+                data = np.random.default_rng(nbytes + root).integers(0, 256, nbytes, dtype=np.uint8)
+                buf = data.copy() if RANK == root else np.zeros(nbytes, np.uint8)
+                t.broadcast(buf, root)
+                same(buf, data)
+    finally:
+        t.close()

@@ -88,6 +88,34 @@ class ShmTransport(Transport):
         yields = _env_int("NBDIST_SHM_YIELDS", 50 if oversubscribed else 200)
         self._native.set_tuning(spin, yields, _env_int("NBDIST_SHM_SMALL_BYTES", 64 * 1024),
                                 _env_int("NBDIST_SHM_STREAM_BYTES", 0))
+        cma_bytes = _env_int("NBDIST_SHM_CMA_BYTES", 256 * 1024)
+        if cma_bytes and self._cma_works():
+            self._native.set_cma_bytes(cma_bytes)
+
+    def _cma_works(self) -> bool:
+        """Whether every rank can read its neighbour's memory (process_vm_readv); collective.
+
+        Containers or a hardened kernel (Yama ptrace_scope >= 2) may forbid it; then
+        allgather and broadcast keep going through the slots (two copies).
+        """
+        import ctypes
+
+        class IoVec(ctypes.Structure):
+            _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+        mine = np.full(8, 1000 + self.rank, np.int64)
+        peers = self.comm.allgather((os.getpid(), _address(mine)))
+        pid, address = peers[(self.rank + 1) % self.size]
+        got = np.zeros(8, np.int64)
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            local, remote = IoVec(_address(got), got.nbytes), IoVec(address, got.nbytes)
+            n = libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+            ok = n == got.nbytes and bool((got == 1000 + (self.rank + 1) % self.size).all())
+        except (OSError, AttributeError):
+            ok = False
+        ok = all(self.comm.allgather(ok))  # also keeps `mine` alive until every rank has read
+        return ok
 
     def _open(self, native, slot_bytes: int, nsets: int):
         """Create (local rank 0) or attach to the node's segment; collective over local_comm."""
