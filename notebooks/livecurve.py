@@ -35,6 +35,7 @@ class LiveCurve:
         self._before = _key(self._rows())  # the previous cell's history, not the one to draw
         self._stop = threading.Event()
         self._drawn = -1
+        self.frames = 0  # charts drawn from the running cell's history (the final one included)
         display(self.image)
         self._draw([])
         self._thread = threading.Thread(target=self._watch, name="LiveCurve", daemon=True)
@@ -50,6 +51,7 @@ class LiveCurve:
                 rows = self._rows()
                 if _key(rows) != self._before and len(rows) != self._drawn:
                     self._draw(rows)
+                    self.frames += 1
             except Exception as exc:  # a chart must never disturb training
                 self.image.description = f"live chart stopped: {exc!r}"
                 return
@@ -71,9 +73,12 @@ class LiveCurve:
         self.image.value = buf.getvalue()
         self._drawn = len(rows)
 
-    def stop(self) -> None:
-        """Stop watching and draw the final state."""
+    def stop(self) -> int:
+        """Stop watching, draw the final state; return how many charts were drawn from the run."""
         self._stop.set()
         self._thread.join(timeout=5)
         rows = self._rows()
-        self._draw(rows if _key(rows) != self._before else [])
+        fresh = _key(rows) != self._before
+        self._draw(rows if fresh else [])
+        self.frames += fresh
+        return self.frames

@@ -7,6 +7,7 @@ without outputs: the first test checks that, and the shape every lesson shares.
 """
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -18,6 +19,33 @@ NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 COURSE = sorted(NOTEBOOKS.glob("0[1-9]-*.ipynb"))
 COURSE_NAMES = ["01-ranks-and-collectives", "02-pytorch-data-parallel", "03-tensorflow-keras",
                 "04-scaling-study", "05-faults-and-debugging", "06-from-notebook-to-batch", "07-gpus"]
+
+# What each lesson must really show (besides running): a few lines of its output.
+EXPECT = {
+    "01-ranks-and-collectives": [r"MismatchError: allreduce 'oops': ranks disagree on shape", r"still fine"],
+    "02-pytorch-data-parallel": [r"all ranks: \[(0\.\d+), \1\]; largest weight difference between ranks 0",
+                                 r"the chart above was drawn ([3-9]|\d\d+) times while the cell trained"],
+    "03-tensorflow-keras": [r"MismatchError: broadcast_variables\(root_rank=0\): the ranks passed different",
+                            r"largest weight difference between ranks 0"],
+    "04-scaling-study": [r"async, fused"],
+    "05-faults-and-debugging": [r"rank 1 raised ValueError: corrupt record", r"stall: allreduce 'waits-for-rank-1'",
+                                r"longer than --timeout 8 s", r"interrupted: every rank got KeyboardInterrupt",
+                                r"rank 1 died \(exit status 3\)"],
+    "06-from-notebook-to-batch": [r"2 ranks, 10 epochs: test accuracy", r"\[0\] 2 ranks, 5 epochs: test accuracy"],
+    "07-gpus": [r"No GPU on this machine|GPU\(s\) for PyTorch", r"the cells below run as %%distributed -n"],
+}
+
+
+def _text(cell) -> str:
+    parts = []
+    for out in cell.get("outputs", []):
+        if out.output_type == "stream":
+            parts.append(out.text)
+        elif out.output_type in ("display_data", "execute_result"):
+            parts.append(str(out.data.get("text/plain", "")) + str(out.data.get("text/html", "")))
+        elif out.output_type == "error":
+            parts.append(f"{out.ename}: {out.evalue}\n" + "\n".join(out.traceback))
+    return re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(parts))
 
 
 def test_course_is_complete_and_stored_without_outputs():
@@ -56,6 +84,9 @@ def test_course_notebook_runs_headless(name):
     for i in expected_failures:  # a demonstrated fault must really happen
         assert any(o.output_type == "error" for o in nb.cells[i].outputs), \
             f"{name}: cell {i} is tagged raises-exception but did not fail"
+    text = "\n".join(_text(c) for c in nb.cells)
+    for pattern in EXPECT[name]:
+        assert re.search(pattern, text), f"{name}: {pattern!r} not in its output:\n{text[-3000:]}"
 
 
 @pytest.mark.timeout(120)
