@@ -130,3 +130,37 @@ def test_exit_code_parsing():
     assert decode_wait_status(11).startswith("killed by signal 11 (SIGSEGV)")
     assert parse_exit_codes("[mpiexec@a] Exit codes: [a] 0,0\n[mpiexec@a] Exit codes: [b] 256\n",
                             {"a": [0, 2], "b": [1]}) == {0: 0, 2: 0, 1: 256}
+
+
+def test_plain_cell_reuses_and_restarts_the_cluster_the_way_it_was_started(monkeypatch):
+    """After `%dist_start -n 2 --launcher ssh --hosts a b`, a plain %%distributed keeps ssh on a, b."""
+    from nbdist.notebook.cluster import DistCluster
+
+    started = []
+    c = DistCluster(notify=lambda text, level="info": None)
+    monkeypatch.setattr(c, "start", lambda n, launcher="local", hosts=None, env=None: (
+        started.append((n, launcher, hosts, env)),
+        setattr(c, "cluster", object()),
+        c.__dict__.update(n=n, launcher=launcher, hosts=list(hosts or []), env=dict(env or {}))))
+    monkeypatch.setattr(c, "stop", lambda quiet=False: setattr(c, "cluster", None))
+    running = {"yes": True}
+    monkeypatch.setattr(c, "is_running", lambda: running["yes"])
+
+    assert c.ensure(2, "ssh", ["a", "b"], {"K": "V"}) == "started"
+    assert c.shape(2) == (2, "ssh", ["a", "b"], {"K": "V"})
+    assert c.plan(2) == "reuse" and c.ensure(2) == "reused"
+    running["yes"] = False  # a fault killed it: restarted the same way, not locally
+    assert c.ensure(2) == "restarted"
+    assert started[-1] == (2, "ssh", ["a", "b"], {"K": "V"})
+    running["yes"] = True
+    assert c.ensure(4) == "restarted" and started[-1] == (4, "ssh", ["a", "b"], {"K": "V"})
+    assert c.ensure(4, "local") == "restarted" and started[-1] == (4, "local", [], {"K": "V"})
+    fresh = DistCluster(notify=lambda text, level="info": None)
+    assert fresh.shape(3) == (3, "local", [], {})
+
+
+def test_usage_line_names_the_cell_magic():
+    """`%%distributed?` shows `%%distributed [-n N] ...`, the way the user types it."""
+    doc = magics.DistributedMagics.distributed.__doc__
+    assert "%%distributed [-n N]" in doc.replace("\n", " ").replace("  ", " ")
+    assert "%dist_run [-n N]" in magics.DistributedMagics.dist_run.__doc__.replace("\n", " ")

@@ -486,3 +486,18 @@ def test_top_level_report_progress_last_metrics_are_lazy():
     if "NOT-EXPORTED" in result.stdout:
         pytest.skip("nbdist/__init__.py does not export report/progress/last_metrics yet")
     assert result.stdout.strip() == "OK"
+
+
+def test_sparkline_uses_a_log_scale_when_the_values_span_decades():
+    """A loss falling from 10 to 1e-4 over many steps is drawn as a slope, not a flat line."""
+    import re
+
+    loss = [10.0 * 10 ** (-5 * i / 99) for i in range(100)]  # 10 -> 1e-4, steady in log space
+    svg = progress_render.sparkline_svg(loss, height=34)
+    assert "nbdist-log" in svg
+    ys = [float(p.split(",")[1]) for p in re.search(r'points="([^"]+)"', svg).group(1).split()]
+    mid = ys[len(ys) // 2]
+    assert abs(mid - (ys[0] + ys[-1]) / 2) < 2.0, "halfway in decades must be halfway up the chart"
+    assert "nbdist-log" not in progress_render.sparkline_svg([3.0, 2.0, 1.0])  # one decade: linear
+    assert "nbdist-log" not in progress_render.sparkline_svg([1.0, -1.0, 1e-6])  # not all positive
+    assert "(log scale)" in progress_render.metrics_html({"loss": loss[-1]}, {"loss": loss})

@@ -17,7 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-from ..failure import FailureReport, RankError
+from ..failure import FailureReport, RankError, died_headline, primary_cause, raised_headline, rank_ranges
 from ..mpi.hydra import culprits, decode_wait_status, mpiexec_path, parse_exit_codes
 from ..mpi.reaper import remove_orphan_segments
 from ..wire import REPORT_DIR_ENV, read_error_records
@@ -125,24 +125,22 @@ def _stop(proc: subprocess.Popen) -> None:
             continue
 
 
-def _read_reports(report_dir: str) -> list[RankError]:
+def _read_reports(report_dir: str, interrupted_by_us: bool) -> list[RankError]:
+    """Each failed rank's record, unwrapped and classified by the failure module."""
     errors = []
     for rec in read_error_records(report_dir):
         tb = [line for chunk in rec.get("traceback", []) for line in chunk.rstrip("\n").split("\n")]
-        err = RankError(rank=rec["rank"], ename=rec["ename"], evalue=rec["evalue"], traceback=tb,
-                        follow_on=rec.get("follow_on", False))
-        err.time = rec.get("time", 0.0)  # type: ignore[attr-defined]
-        errors.append(err)
+        errors.append(RankError.collect(rec["rank"], rec["ename"], rec["evalue"], tb,
+                                        interrupted_by_watcher=interrupted_by_us, time=rec.get("time")))
     return errors
 
 
 def _summarise(rc: int, output: str, report_dir: str, n: int, timeout, timed_out: bool,
                interrupted: bool, started: float) -> int:
-    errors = _read_reports(report_dir)
+    errors = _read_reports(report_dir, interrupted_by_us=timed_out or interrupted)
     statuses = parse_exit_codes(output)
     reported = {e.rank for e in errors}
-    causes = sorted((e for e in errors if not e.follow_on), key=lambda e: (e.time, e.rank))
-    primary = causes[0] if causes else None
+    primary = primary_cause(errors)
     others = sorted((e for e in errors if e is not primary), key=lambda e: e.rank)
     dead = {r: s for r, s in culprits(statuses).items() if r not in reported}
     notes = []
@@ -153,11 +151,10 @@ def _summarise(rc: int, output: str, report_dir: str, n: int, timeout, timed_out
         headline = "interrupted: every rank was stopped"
         code = 130
     elif primary is not None:
-        first = primary.evalue.splitlines()[0] if primary.evalue else ""
-        headline = f"rank {primary.rank} raised {primary.ename}" + (f": {first}" if first else "")
+        headline = raised_headline(primary)
         code = 1
     elif dead:
-        headline = "; ".join(f"rank {r} died ({decode_wait_status(s)})" for r, s in sorted(dead.items()))
+        headline = died_headline({r: decode_wait_status(s) for r, s in dead.items()})
         first_status = dead[min(dead)]
         code = 128 + (first_status & 0x7F) if first_status & 0x7F else (first_status >> 8) or 1
         dead = {}
@@ -173,7 +170,7 @@ def _summarise(rc: int, output: str, report_dir: str, n: int, timeout, timed_out
         notes.append(f"rank {r} died ({decode_wait_status(s)})")
     stopped = sorted(r for r in range(n) if r not in reported and r not in dead and statuses.get(r, 0))
     if stopped and not timed_out:
-        notes.append(f"rank{'s' if len(stopped) != 1 else ''} {', '.join(map(str, stopped))} "
+        notes.append(f"rank{'s' if len(stopped) != 1 else ''} {rank_ranges(stopped)} "
                      f"{'were' if len(stopped) != 1 else 'was'} stopped by MPI after the failure")
     report = FailureReport(headline, primary, others, notes)
     color = sys.stderr.isatty()

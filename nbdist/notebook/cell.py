@@ -1,7 +1,7 @@
 """Running one cell on every rank and turning what happened into output or one clear error.
 
 The wait loop polls the cell's AsyncResult every POLL_S: it streams each rank's
-new output, drives the progress view (issue 7) when that module exists, and
+new output, drives the progress view, and
 watches for the fault paths:
   - a rank raised: its peers get ERROR_GRACE_S to fail by themselves (the
     engine-side hook calls the runtime's abort), then the stragglers get SIGINT;
@@ -15,8 +15,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from . import display
-from .display import FailureReport, RankError
+from ..failure import FailureReport, RankError, primary_cause, raised_headline
+from . import display, progress_view
 
 POLL_S = 0.1
 ERROR_GRACE_S = 1.0
@@ -25,8 +25,6 @@ OUTPUT_WAIT_S = 2.0
 DEATH_WAIT_S = 15.0  # mpiexec needs a moment to collect every rank's exit status
 FINISHING_GRACE_S = 4.0  # a failed rank's abort may take the runtime's own wait
 
-# Errors that follow from another rank's failure or from our own SIGINT.
-FOLLOW_ON = {"AbortedError", "KeyboardInterrupt", "CollectiveTimeoutError"}
 
 
 @dataclass
@@ -53,11 +51,7 @@ class _RankResult:
 
 
 def _progress_view(ar, ranks: list[int], widgets: bool):
-    """issue 7's progress widget, if that module exists; None otherwise."""
-    try:
-        from . import progress_view
-    except ImportError:
-        return None
+    """The cell's progress view (widget or text line); None if it cannot be drawn."""
     try:
         return progress_view.attach(ar, n_ranks=len(ranks), widgets=widgets, ranks=ranks)
     except Exception as exc:  # a broken widget must never break the cell
@@ -101,7 +95,8 @@ def _child_error(child):
     return res if isinstance(res, BaseException) else None
 
 
-def _rank_error(rank: int, err, interrupted: bool) -> RankError:
+def _rank_error(rank: int, err, interrupted: bool, child) -> RankError:
+    """What one rank's reply says, handed to the failure module (which unwraps and classifies)."""
     ename = getattr(err, "ename", type(err).__name__)
     evalue = str(getattr(err, "evalue", err))
     tb = getattr(err, "traceback", None)
@@ -109,8 +104,10 @@ def _rank_error(rank: int, err, interrupted: bool) -> RankError:
         lines = [line for chunk in tb for line in str(chunk).splitlines()]
     else:
         lines = tb.splitlines() if isinstance(tb, str) and tb else []
-    follow = ename in FOLLOW_ON and (ename != "KeyboardInterrupt" or interrupted)
-    return RankError(rank=rank, ename=ename, evalue=evalue, traceback=lines, follow_on=follow)
+    md = child.output.metadata
+    finished = md.get("completed") or md.get("received")
+    when = finished.timestamp() if hasattr(finished, "timestamp") else None
+    return RankError.collect(rank, ename, evalue, lines, interrupted_by_watcher=interrupted, time=when)
 
 
 def _is_death(err) -> bool:
@@ -202,8 +199,9 @@ def run(cluster, code: str, opts: CellOptions):
         return _RankResult(result, ranks[0]) if result else None
 
     we_interrupted = interrupted_at is not None
-    rank_errors = [_rank_error(r, e, we_interrupted) for r, e in failed]
-    primary = _primary(rank_errors, streamer.children)
+    child_of = dict(streamer.children)
+    rank_errors = [_rank_error(r, e, we_interrupted, child_of[r]) for r, e in failed]
+    primary = primary_cause(rank_errors)
     others = [e for e in rank_errors if e is not primary]
     notes = []
     if stuck:
@@ -216,7 +214,7 @@ def run(cluster, code: str, opts: CellOptions):
     if base == "timeout":
         headline = f"the cell ran longer than --timeout {opts.timeout:g} s; every rank was interrupted"
         if primary is not None and primary.ename != "KeyboardInterrupt":
-            headline += f" (rank {primary.rank} raised {primary.ename})"
+            headline += f" ({raised_headline(primary)})"
         report = FailureReport(headline, primary, others, notes)
         _finish(progress, "timeout", report)
         raise display.DistributedTimeout(report)
@@ -228,29 +226,12 @@ def run(cluster, code: str, opts: CellOptions):
     if primary is None:
         headline = "the cell failed on every rank with follow-on errors only"
     else:
-        headline = f"rank {primary.rank} raised {primary.ename}: {primary.evalue.splitlines()[0] if primary.evalue else ''}"
+        headline = raised_headline(primary)
     if first_error_at is not None and interrupted_at is not None and not stuck:
         notes.append(f"ranks still running {ERROR_GRACE_S:g} s after the error were interrupted")
     report = FailureReport(headline.rstrip(": "), primary, others, notes)
     _finish(progress, "failed", report)
     raise display.DistributedError(report)
-
-
-def _primary(errors: list[RankError], children) -> RankError | None:
-    """The cause: the earliest-finishing rank whose error is not a follow-on of another's."""
-    completed = {}
-    for rank, child in children:
-        md = child.output.metadata
-        completed[rank] = md.get("completed") or md.get("received")
-    causes = [e for e in errors if not e.follow_on] or []
-    if not causes:
-        return None
-
-    def key(err):
-        t = completed.get(err.rank)
-        return (t is None, t.timestamp() if hasattr(t, "timestamp") else 0.0, err.rank)
-
-    return sorted(causes, key=key)[0]
 
 
 def _finish(progress, state: str, report: FailureReport | None) -> None:

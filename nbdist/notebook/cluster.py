@@ -114,21 +114,42 @@ class DistCluster:
 
     # ---- start / stop ----------------------------------------------------------------------
 
-    def ensure(self, n: int, launcher: str = "local", hosts: list[str] | None = None,
+    def shape(self, n: int, launcher: str | None = None, hosts: list[str] | None = None,
+              env: dict[str, str] | None = None) -> tuple[int, str, list[str], dict[str, str]]:
+        """The cluster asked for: what is not given is as the cluster was started (launcher,
+        hosts, env), so a plain %%distributed after `%dist_start --launcher ssh --hosts a b`
+        keeps using ssh on a and b."""
+        remembered = self.n is not None
+        launcher = launcher or (self.launcher if remembered else "local")
+        hosts = list(hosts) if hosts else (list(self.hosts) if remembered and launcher == self.launcher else [])
+        env = dict(env) if env else (dict(self.env) if remembered else {})
+        return n, launcher, hosts, env
+
+    def plan(self, n: int, launcher: str | None = None, hosts: list[str] | None = None,
+             env: dict[str, str] | None = None) -> str:
+        """What ensure() would do: 'reuse', 'start' or 'restart' (the one reuse policy)."""
+        wanted = self.shape(n, launcher, hosts, env)
+        if self.cluster is None:
+            return "start"
+        if wanted == (self.n, self.launcher, self.hosts, self.env) and self.is_running():
+            return "reuse"
+        return "restart"
+
+    def ensure(self, n: int, launcher: str | None = None, hosts: list[str] | None = None,
                env: dict[str, str] | None = None) -> str:
         """A running cluster of n ranks: 'reused', 'started' or 'restarted' (state reset)."""
-        hosts = list(hosts or [])
-        env = dict(env or {})
-        if self.cluster is not None:
-            same = (n == self.n and launcher == self.launcher and (not hosts or hosts == self.hosts)
-                    and (not env or env == self.env))
-            if same and self.is_running():
-                return "reused"
-            if same:
+        how = self.plan(n, launcher, hosts, env)
+        n, launcher, hosts, env = self.shape(n, launcher, hosts, env)
+        if how == "reuse":
+            return "reused"
+        if how == "restart":
+            if (n, launcher, hosts, env) == (self.n, self.launcher, self.hosts, self.env):
                 self._notify(f"the cluster of {self.n} ranks is no longer running; starting a fresh "
-                             f"one - engine state was reset", "warning")
+                             f"one the same way ({self.launcher} launcher) - engine state was reset",
+                             "warning")
             else:
-                self._notify(f"restarting: {self.n} ranks -> {n} ranks; engine state (all names defined "
+                change = f"{self.n} ranks -> {n} ranks" if n != self.n else "new launcher, hosts or env"
+                self._notify(f"restarting: {change}; engine state (all names defined "
                              f"in earlier %%distributed cells) was reset", "warning")
             self.stop(quiet=True)
             self.start(n, launcher, hosts, env)

@@ -105,6 +105,23 @@ def parse_hosts(items: list[str] | None) -> list[str]:
     return hosts
 
 
+def run_args(func):
+    """The options of everything that runs code on the ranks (%%distributed, %dist_run), declared once."""
+    shared = [
+        argument("-n", "--np", dest="n", default=None,
+                 help=f"number of MPI ranks (default: the running cluster's, else {DEFAULT_N}); "
+                      "a different number restarts the cluster and resets engine state"),
+        argument("--timeout", default=None, metavar="S",
+                 help="fail after S seconds: every rank is interrupted, the cluster stays usable"),
+        argument("--output", default="all", choices=["all", "0", "none"],
+                 help="all: rank 0 inline and the others grouped (default); 0: rank 0 only; none: no output"),
+        argument("--no-widgets", action="store_true", help="text progress instead of the progress widget"),
+    ]
+    for deco in reversed(shared):  # decorators apply bottom-up; keep the source order in --help
+        func = deco(func)
+    return func
+
+
 @magics_class
 class DistributedMagics(Magics):
     """Magics that run cells on an ipyparallel cluster of MPI ranks."""
@@ -116,10 +133,10 @@ class DistributedMagics(Magics):
 
     # -- helpers ----------------------------------------------------------------------------
 
-    def _ensure(self, n: int, launcher: str = "local", hosts=None, env=None) -> None:
+    def _ensure(self, n: int, launcher: str | None = None, hosts=None, env=None) -> None:
+        """A running cluster of n ranks; what is not given is as the cluster was started."""
         c = self.cluster
-        if c.cluster is not None and c.n == n and c.is_running() and launcher == c.launcher and (
-                not hosts or hosts == c.hosts) and (not env or env == c.env):
+        if c.plan(n, launcher, hosts, env) == "reuse":
             return
         indicator = display.StartIndicator(n)
         try:
@@ -165,24 +182,18 @@ class DistributedMagics(Magics):
 
     def _default_n(self, given) -> int:
         if given is not None:
-            return parse_n(given)
+            return parse_n(given, self.cluster.launcher if self.cluster.n else "local")
         if self.cluster.cluster is not None and self.cluster.n:
             return self.cluster.n
         return DEFAULT_N
 
     # -- %%distributed ----------------------------------------------------------------------
 
-    @magic_arguments()
-    @argument("-n", "--np", dest="n", default=None,
-              help=f"number of MPI ranks (default: the running cluster's, else {DEFAULT_N}); "
-                   "a different number restarts the cluster and resets engine state")
-    @argument("--timeout", default=None, metavar="S",
-              help="fail the cell after S seconds: every rank is interrupted, the cluster stays usable")
+    # The usage line reads "%%distributed" (IPython prefixes the parser's name with one %).
+    @magic_arguments("%distributed")
+    @run_args
     @argument("--targets", default=None, metavar="RANKS",
               help="run on these ranks only, e.g. 0 or 0,2-3 (collectives need every rank!)")
-    @argument("--output", default="all", choices=["all", "0", "none"],
-              help="all: rank 0 inline and the others grouped (default); 0: rank 0 only; none: no output")
-    @argument("--no-widgets", action="store_true", help="text progress instead of the progress widget")
     @argument("--gpus", action="store_true", help="give each rank one GPU (its local rank) before the cell runs")
     @cell_magic
     def distributed(self, line, cell):
@@ -204,16 +215,17 @@ class DistributedMagics(Magics):
 
     @magic_arguments()
     @argument("-n", "--np", dest="n", default=None, help="number of MPI ranks")
-    @argument("--launcher", default="local", choices=list(LAUNCHERS),
-              help="local (mpiexec on this machine, default), mpi (mpiexec across --hosts), "
-                   "slurm or ssh (ipyparallel's launchers)")
+    @argument("--launcher", default=None, choices=list(LAUNCHERS),
+              help="local (mpiexec on this machine; the default for a first cluster), mpi (mpiexec "
+                   "across --hosts), slurm or ssh (ipyparallel's launchers); default: as the cluster "
+                   "was started")
     @argument("--hosts", nargs="+", default=None, help="hosts for the mpi/ssh launchers (a,b or a b)")
     @argument("--env", nargs="+", default=None, metavar="K=V", help="environment variables for every rank")
     @line_magic
     def dist_start(self, line):
         """Start (or restart) the cluster of N MPI ranks used by %%distributed."""
         args = parse_argstring(self.dist_start, line)
-        n = parse_n(args.n, args.launcher) if args.n is not None else None
+        n = parse_n(args.n, args.launcher or self.cluster.launcher) if args.n is not None else None
         if n is None:
             raise UsageError("%dist_start needs -n N")
         env, hosts = parse_env(args.env), parse_hosts(args.hosts)
@@ -292,10 +304,7 @@ class DistributedMagics(Magics):
         display.notice(f"pushed {', '.join(args.names)} to {c.n} ranks")
 
     @magic_arguments()
-    @argument("-n", "--np", dest="n", default=None, help="number of MPI ranks (default: as %%distributed)")
-    @argument("--timeout", default=None, metavar="S", help="fail after S seconds")
-    @argument("--output", default="all", choices=["all", "0", "none"], help="as %%distributed")
-    @argument("--no-widgets", action="store_true", help="text progress instead of the widget")
+    @run_args
     @argument("file", help="the Python script to run on every rank")
     @line_magic
     def dist_run(self, line):

@@ -49,6 +49,9 @@ def sparkline_svg(values: Iterable, width: int = 180, height: int = 34,
     ys = downsample(ys)
     if len(ys) < 2:
         return ""
+    log_scale = use_log_scale(ys)
+    if log_scale:  # a loss falling over many decades would draw a flat line after its first drop
+        ys = [math.log10(y) for y in ys]
     low, high = min(ys), max(ys)
     span = (high - low) or 1.0
     pad = 3
@@ -57,10 +60,15 @@ def sparkline_svg(values: Iterable, width: int = 180, height: int = 34,
         f"{pad + i * step_x:.1f},{pad + (height - 2 * pad) * (1 - (y - low) / span):.1f}"
         for i, y in enumerate(ys))
     last_x, last_y = coords.rsplit(" ", 1)[-1].split(",")
-    return (f'<svg class="nbdist-spark" width="{width}" height="{height}" '
+    return (f'<svg class="nbdist-spark{" nbdist-log" if log_scale else ""}" width="{width}" height="{height}" '
             f'viewBox="0 0 {width} {height}" xmlns="http://www.w3.org/2000/svg">'
             f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{coords}"/>'
             f'<circle cx="{last_x}" cy="{last_y}" r="2.2" fill="{colour}"/></svg>')
+
+
+def use_log_scale(values: Sequence[float]) -> bool:
+    """Log scale when every value is positive and they span more than two decades."""
+    return bool(values) and min(values) > 0 and max(values) / min(values) > 100.0
 
 
 def _is_number(value) -> bool:
@@ -96,6 +104,8 @@ def metrics_html(latest: Mapping, history: Mapping[str, Sequence]) -> str:
         spark = sparkline_svg(series)
         finite = [float(v) for v in series if math.isfinite(float(v))]
         span = f"{format_value(min(finite))} – {format_value(max(finite))}" if finite else ""
+        if finite and use_log_scale(finite):
+            span += " (log scale)"
         rows.append(
             f'<tr class="nbdist-metric" data-metric="{html.escape(str(name))}">'
             f'<td style="padding:0 8px 0 0"><b>{html.escape(str(name))}</b></td>'

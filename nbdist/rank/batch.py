@@ -14,34 +14,18 @@ import sys
 import time
 import traceback
 
+from .. import failure
 from ..mpi.ranks import env_rank
 from ..wire import REPORT_DIR_ENV, write_error_record
-
-FOLLOW_ON = {"AbortedError"}
-
 
 def _report(rank: int, exc: BaseException, tb_lines: list[str]) -> None:
     folder = os.environ.get(REPORT_DIR_ENV)
     if not folder:
         sys.stderr.write("".join(tb_lines))
         return
-    record = {"rank": rank, "ename": type(exc).__name__, "evalue": str(exc),
-              "traceback": tb_lines, "time": time.time(), "follow_on": type(exc).__name__ in FOLLOW_ON}
+    ename, evalue = failure.describe_exception(exc)  # the root cause, not a framework's wrapper
+    record = {"rank": rank, "ename": ename, "evalue": evalue, "traceback": tb_lines, "time": time.time()}
     write_error_record(folder, record)
-
-
-def _abort_peers(rank: int, exc: BaseException) -> bool:
-    common = sys.modules.get("nbdist.common")
-    if common is None or type(exc).__name__ in FOLLOW_ON or isinstance(exc, KeyboardInterrupt):
-        return False
-    try:
-        if not common.is_initialized():
-            return False
-        msg = str(exc).splitlines()[0] if str(exc) else ""
-        common.abort(f"rank {rank} raised {type(exc).__name__}: {msg}"[:500])
-        return True
-    except Exception:
-        return False
 
 
 def _user_frames(exc: BaseException) -> list[str]:
@@ -82,7 +66,7 @@ def main(argv: list[str]) -> int:
 
 
 def _finish(rank: int, exc: BaseException, code: int) -> None:
-    if _abort_peers(rank, exc):
+    if failure.abort_peers(rank, exc):
         time.sleep(0.5)  # let the released peers write their own (follow-on) reports
     sys.stdout.flush()
     sys.stderr.flush()

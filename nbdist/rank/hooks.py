@@ -17,47 +17,17 @@ import sys
 import threading
 import time
 
+from .. import failure
 from ..mpi.ranks import env_local_rank
 
 _KERNEL_WATCH_S = 1.0
-ABORT_WAIT_S = 6.0
 _state: dict = {"rank": None}
-
-# Errors that are consequences of another rank's failure, not causes: aborting
-# again for them would only replace the real reason in the peers' messages.
-FOLLOW_ON_ERRORS = ("AbortedError",)
 
 
 def _mpi_rank_size() -> tuple[int, int]:
     from mpi4py import MPI
 
     return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
-
-
-def _runtime_abort(reason: str) -> None:
-    """Call nbdist.common.abort(reason) if the runtime is up; bounded so a broken runtime can't hang the engine."""
-    common = sys.modules.get("nbdist.common")
-    if common is None:
-        return
-    try:
-        if not common.is_initialized():
-            return
-    except Exception:
-        return
-    done = threading.Event()
-
-    def _call():
-        try:
-            common.abort(reason)
-        except Exception as exc:  # the cell's own error is what the user must see
-            print(f"nbdist: abort failed on this rank: {exc!r}", file=sys.stderr)
-        finally:
-            done.set()
-
-    threading.Thread(target=_call, name="nbdist-abort", daemon=True).start()
-    # The runtime waits (bounded) until the abort went round, so this rank's next ops
-    # start in the new epoch; waiting here too keeps the next cell clean.
-    done.wait(ABORT_WAIT_S)
 
 
 def _on_cell_error(shell, etype, value, tb, tb_offset=None):
@@ -76,11 +46,7 @@ def _on_cell_error(shell, etype, value, tb, tb_offset=None):
     except BaseException:
         pass
     try:
-        # An interrupted collective aborts by itself (nbdist.common.synchronize), and the
-        # notebook interrupts every rank, so a KeyboardInterrupt needs no extra abort.
-        if etype.__name__ not in FOLLOW_ON_ERRORS and not issubclass(etype, KeyboardInterrupt):
-            msg = str(value).splitlines()[0] if str(value) else ""
-            _runtime_abort(f"rank {_state['rank']} raised {etype.__name__}: {msg}"[:500])
+        failure.abort_peers(_state["rank"], value if isinstance(value, BaseException) else etype())
     except BaseException:
         pass
     return None
