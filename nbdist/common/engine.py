@@ -394,8 +394,12 @@ class Engine:
         if kind == "abort":
             if epoch < coord.epoch:
                 return  # another abort already failed that rank's ops (its abort() sees it)
+            # Name the ops the abort fails: a rank that was idle learns of the abort only at
+            # its next cycle, and the requests it sent meanwhile (a new cell's) must not fail
+            # for the old reason; they were dropped here as stale and are sent again.
+            aborted = frozenset(coord.pending)
             new_epoch = coord.abort()
-            self._broadcast(("abort", new_epoch, message[3]))
+            self._broadcast(("abort", new_epoch, message[3], aborted))
             return
         if epoch != coord.epoch:
             return  # sent before that rank learned of an abort: it failed these already
@@ -438,7 +442,7 @@ class Engine:
     def _on_broadcast(self, message: tuple) -> None:
         kind, epoch = message[0], message[1]
         if kind == "abort":
-            self._on_abort(epoch, message[2])
+            self._on_named_abort(epoch, message[2], message[3])
             return
         templates = self._templates
         if timeline.active() is not None:  # all of this message is agreed: QUEUE from here
@@ -462,6 +466,25 @@ class Engine:
                     if req is not None:
                         self._cache[e.names[0]] = (e.cache_id, req.signature)
             self.executor.run_unit(responses, self._local, self._release_names)
+
+    def _on_named_abort(self, epoch: int, reason: str, aborted: frozenset) -> None:
+        """Coordinator path: fail the ops the abort names (those rank 0 had in flight); send the
+        rest again in the new epoch: rank 0 dropped them as sent before this rank knew."""
+        with self._cv:
+            failed = [req for name, req in self._local.items() if name in aborted]
+            for req in failed:
+                del self._local[req.name]
+                self._names_in_flight.discard(req.name)
+            resend = list(self._local.values())
+            self._local.clear()
+        error = errors.AbortedError(reason)
+        for req in failed:
+            req.handle.set_error(error)
+        self.auto_name_counter = 0
+        self._abort_sent = False
+        self.epoch = epoch  # abort() returns once it sees this; resent requests carry it
+        if resend:
+            self._send_requests(resend)
 
     def _release_names(self, names: list[str]) -> None:
         """These ops are about to complete: their names may be submitted again."""
