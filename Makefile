@@ -44,7 +44,9 @@ notebooks-clean: $(STAMP)  ## strip outputs and widget state from notebooks/*.ip
 demo-batch: $(STAMP)  ## the batch twin: real distributed work on $(N) local ranks
 	$(BIN)/nbdist run -n $(N) examples/demo.py
 
-test: $(STAMP)  ## the whole test suite (multi-rank tests under mpiexec -n 2 and -n 4)
+test: $(STAMP)  ## lint and types, then the whole test suite (multi-rank tests under mpiexec -n 2 and -n 4)
+	$(BIN)/ruff check nbdist tests benchmarks
+	$(BIN)/mypy
 	$(BIN)/pytest tests
 
 lab: $(STAMP)  ## JupyterLab on notebooks/
