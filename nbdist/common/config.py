@@ -62,3 +62,38 @@ class Config:
     def describe(self) -> dict:
         """The options as a dict, for `nbdist doctor` and %dist_status."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+# ---- knobs read where they are used (not per init): still named and parsed only here ---------
+
+def env_int(name: str, default: int) -> int:
+    """NBDIST_<name> as a whole number (tuning knobs of the transports, e.g. SHM_SLOT_BYTES)."""
+    raw = _env(name, horovod_name="NBDIST_" + name)
+    try:
+        return int(raw) if raw is not None else default
+    except ValueError:
+        raise ValueError(f"environment variable NBDIST_{name}={raw!r} is not an integer") from None
+
+
+def env_seconds(name: str, default: float) -> float:
+    """NBDIST_<name> as a non-negative number of seconds (REPORT_INTERVAL, TEXT_INTERVAL)."""
+    raw = _env(name, horovod_name="NBDIST_" + name)
+    try:
+        return max(0.0, float(raw)) if raw is not None else default
+    except ValueError:
+        raise ValueError(f"environment variable NBDIST_{name}={raw!r} is not a number of seconds") from None
+
+
+def env_flag(name: str) -> bool | None:
+    """NBDIST_<name>=1/0 (e.g. WIDGETS): True, False, or None when unset or anything else."""
+    raw = (_env(name, horovod_name="NBDIST_" + name) or "").strip()
+    return {"1": True, "0": False}.get(raw)
+
+
+def env_path(name: str) -> str | None:
+    """NBDIST_<name> as a path (NCCL_LIB, CUDART_LIB, REPORT_DIR), or None when unset."""
+    return _env(name, horovod_name="NBDIST_" + name)
+
+
+# Set by the notebook kernel in every engine's environment (engines exit when it is gone).
+KERNEL_PID_ENV = "NBDIST_KERNEL_PID"

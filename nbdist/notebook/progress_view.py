@@ -14,7 +14,6 @@ in this module for `nbdist.last_metrics()`.
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 import warnings
@@ -22,6 +21,7 @@ from collections import deque
 from typing import Any, Mapping, Sequence
 
 from . import progress_render as render
+from ..common.config import env_flag
 from ..rank.report import text_interval
 from ..wire import HISTORY_PREFIX, STATE_KEY
 
@@ -176,9 +176,9 @@ def widget_frontend(widgets: bool = True) -> bool:
     frontends speak the comm protocol; no in terminal IPython or plain Python."""
     if not widgets:
         return False
-    forced = os.environ.get("NBDIST_WIDGETS", "").strip()
-    if forced in ("0", "1"):
-        return forced == "1" and _have_ipywidgets()
+    forced = env_flag("WIDGETS")
+    if forced is not None:
+        return forced and _have_ipywidgets()
     return _in_kernel() and _have_ipywidgets()
 
 
@@ -266,7 +266,7 @@ class TextView:
         self.interval = 1.0
         self._last = 0.0
         self.handle = None
-        self.stream = None
+        self.stream: Any = None
         if _in_kernel() and stream is None:
             from IPython.display import display
 
@@ -316,7 +316,7 @@ class ProgressView:
         self._shown = False
         self._use_widgets = widget_frontend(widgets) and stream is None
         self._stream = stream
-        self.frontend = None
+        self.frontend: Any = None
 
     def _ensure_frontend(self) -> None:
         # Nothing is drawn until the first report arrives: a cell that reports nothing

@@ -8,6 +8,7 @@ then stops whatever is still running.
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import runpy
 import sys
@@ -15,11 +16,12 @@ import time
 import traceback
 
 from .. import failure
+from ..common.config import env_path
 from ..mpi.ranks import env_rank
 from ..wire import REPORT_DIR_ENV, write_error_record
 
 def _report(rank: int, exc: BaseException, tb_lines: list[str]) -> None:
-    folder = os.environ.get(REPORT_DIR_ENV)
+    folder = env_path(REPORT_DIR_ENV.removeprefix("NBDIST_"))
     if not folder:
         sys.stderr.write("".join(tb_lines))
         return
@@ -45,10 +47,11 @@ def main(argv: list[str]) -> int:
     sys.argv = list(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     rank = env_rank() or 0
+    faulthandler.enable()  # a segfault prints this rank's Python frames (tagged by mpiexec)
     # One write per line: mpiexec tags each write with the rank, so a print must not be split.
     for stream in (sys.stdout, sys.stderr):
         try:
-            stream.reconfigure(line_buffering=True, write_through=False)
+            stream.reconfigure(line_buffering=True, write_through=False)  # type: ignore[union-attr]
         except (AttributeError, ValueError):
             pass
     try:

@@ -19,28 +19,20 @@ device sync at most 10 times a second, not once per step.
 from __future__ import annotations
 
 import atexit
-import os
 import sys
 import time
 from typing import Any, Iterable, Iterator
 
+from ..common.config import env_seconds
 from ..mpi.ranks import env_rank
 from ..wire import HISTORY_PREFIX, STATE_KEY  # noqa: F401  (tests and views import them from here too)
 
 HISTORY_CAP = 20000  # points per cell before rank 0 thins its history (doubling the stride)
 
 
-def _interval(name: str, default: float) -> float:
-    raw = os.environ.get(name, "")
-    try:
-        return max(0.0, float(raw)) if raw else default
-    except ValueError:
-        raise ValueError(f"environment variable {name}={raw!r} is not a number of seconds") from None
-
-
 def text_interval(tty: bool) -> float:
     """Seconds between text progress lines: 0.2 on a terminal (rewritten in place), 5 in a log."""
-    return _interval("NBDIST_TEXT_INTERVAL", 0.2 if tty else 5.0)
+    return env_seconds("TEXT_INTERVAL", 0.2 if tty else 5.0)
 
 
 def detect_rank() -> int:
@@ -98,7 +90,7 @@ class _DataPubSink:
 
     def __init__(self, kernel):
         self._shell = kernel.shell
-        self.interval = _interval("NBDIST_REPORT_INTERVAL", 0.1)
+        self.interval = env_seconds("REPORT_INTERVAL", 0.1)
         self._parent_id = None
 
     def parent_changed(self) -> bool:
@@ -110,7 +102,7 @@ class _DataPubSink:
         return changed
 
     def emit(self, state: dict, point: tuple | None, index: int, final: bool) -> None:
-        data = {STATE_KEY: state}
+        data: dict = {STATE_KEY: state}
         if point is not None:
             data[HISTORY_PREFIX + str(index)] = point
         self._shell.data_pub.publish_data(data)
@@ -185,7 +177,7 @@ class Reporter:
         self.calls = 0
         self._next = 0.0
         self._pending = False
-        self._published_step = None
+        self._published_step: int | None = None
         self._history_index = 0
         self._history_stride = 1
         self._publish_count = 0

@@ -46,8 +46,10 @@ def _already_loaded(stem: str) -> list[str]:
 def library_candidates() -> tuple[list[str], list[str]]:
     """Paths to try for libnccl and libcudart: NBDIST_NCCL_LIB, the copies a framework has
     loaded already (one CUDA runtime per process), the wheels, then the system."""
-    nccl = [os.environ["NBDIST_NCCL_LIB"]] if os.environ.get("NBDIST_NCCL_LIB") else []
-    cudart = [os.environ["NBDIST_CUDART_LIB"]] if os.environ.get("NBDIST_CUDART_LIB") else []
+    from ..config import env_path
+
+    nccl = [p for p in [env_path("NCCL_LIB")] if p]
+    cudart = [p for p in [env_path("CUDART_LIB")] if p]
     nccl += _already_loaded("libnccl.so")
     cudart += _already_loaded("libcudart.so")
     # CUDA 12 wheels: nvidia/{nccl,cuda_runtime}/lib; CUDA 13 wheels: nvidia/cu13/lib.
@@ -122,7 +124,8 @@ def describe(buf) -> DeviceBuffer:
         import math
 
         itemsize = int(cai["typestr"][2:])
-        expected, step = [], itemsize
+        expected: list[int] = []
+        step = itemsize
         for dim in reversed(cai["shape"]):
             expected.insert(0, step)
             step *= dim
@@ -159,13 +162,14 @@ def shared_gpu_error(gpus: Sequence[tuple[str, str]], rank: int) -> str:
     """
     by_gpu: dict[tuple[str, str], list[int]] = {}
     for r, gpu in enumerate(gpus):
-        by_gpu.setdefault(tuple(gpu), []).append(r)
+        by_gpu.setdefault(tuple(gpu), []).append(r)  # type: ignore[arg-type]
     shared = [(gpu, ranks) for gpu, ranks in by_gpu.items() if len(ranks) > 1]
     if not shared:
         return ""
     (host, bus), ranks = shared[0]
     names = ", ".join(str(r) for r in ranks[:-1]) + f" and {ranks[-1]}"
-    return (f"rank {rank}: ranks {names} {'both' if len(ranks) == 2 else 'all'} use GPU {bus} on {host}, and NCCL allows only one "
+    return (f"rank {rank}: ranks {names} {'both' if len(ranks) == 2 else 'all'} use GPU {bus} on {host}, "
+            "and NCCL allows only one "
             "rank per GPU (it refuses with 'Duplicate GPU detected'). Give each rank its own "
             "GPU: start at most as many ranks per node as it has GPUs, with "
             "`%%distributed --gpus` or torch.cuda.set_device(hvd.local_rank()); or keep these "

@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ..config import env_int
 from ..transport import Transport, TransportError
 from ._dtypes import dtype_code, op_code
 
@@ -28,11 +29,7 @@ def native_module():
 
 
 def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name, "")
-    try:
-        return int(raw) if raw else default
-    except ValueError:
-        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+    return env_int(name.removeprefix("NBDIST_"), default)
 
 
 def _cpus() -> int:
