@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import sys
 import time
@@ -127,7 +126,7 @@ class Peers:
             else:
                 t.broadcast(buf, 0)
         elif impl == "gloo":
-            tb, to = ctx["tb"], ctx["to"]
+            tb = ctx["tb"]
             if op == "allreduce":
                 self.dist.all_reduce(tb)
             elif op == "allgather":

@@ -20,7 +20,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import nbformat
 import pytest

@@ -72,7 +72,8 @@ for step in range(1, 11):
 
 TRAIN4 = TRAIN.replace("-n 2", "-n 4").replace("total=40", "total=40, ranks=4")
 
-TABLE = "import nbdist\ntable = nbdist.last_metrics()\nprint(list(table['step'])[-1], list(table['loss'])[-1], len(table))"
+TABLE = ("import nbdist\ntable = nbdist.last_metrics()\n"
+         "print(list(table['step'])[-1], list(table['loss'])[-1], len(table))")
 
 
 @pytest.fixture(scope="module")

@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     under_mpi = under_mpi_launcher()
     if under_mpi or ours.help:
         spec = importlib.util.spec_from_file_location("nbdist_bench_collectives", SCRIPT)
+        assert spec is not None and spec.loader is not None, SCRIPT
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         print("usage: nbdist bench [-n N] [options below]") if ours.help else None

@@ -62,6 +62,11 @@ def gpu_report() -> list[str]:
     return lines
 
 
+def _thread_level_names(MPI) -> dict:
+    return {MPI.THREAD_MULTIPLE: "multiple", MPI.THREAD_SERIALIZED: "serialized",
+            MPI.THREAD_FUNNELED: "funneled", MPI.THREAD_SINGLE: "single"}
+
+
 def main() -> int:
     """Print the report; 0 when it ran, 1 when MPI is missing."""
     from nbdist import __version__
@@ -79,7 +84,7 @@ def main() -> int:
         else:
             library = MPI.Get_library_version().strip().splitlines()[0]
             out.append(f"MPI              {library} (mpi4py {_version('mpi4py')}, thread level "
-                       f"{ {MPI.THREAD_MULTIPLE: 'multiple', MPI.THREAD_SERIALIZED: 'serialized', MPI.THREAD_FUNNELED: 'funneled', MPI.THREAD_SINGLE: 'single'}.get(MPI.Query_thread(), '?') })")
+                       f"{ _thread_level_names(MPI).get(MPI.Query_thread(), '?') })")
         out += gpu_report()
         installed = [f"{d} {_version(d)}" for d in FRAMEWORKS if _version(d)]
         out.append("installed        " + ", ".join(installed))

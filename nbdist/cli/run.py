@@ -17,8 +17,8 @@ import threading
 import time
 from pathlib import Path
 
-from ..failure import FailureReport, RankError, died_headline, primary_cause, raised_headline, rank_ranges
-from ..mpi.hydra import culprits, decode_wait_status, mpiexec_path, parse_exit_codes
+from ..failure import FailureReport, RankError, blame, died_headline, primary_cause, raised_headline, rank_ranges
+from ..mpi.hydra import decode_wait_status, mpiexec_path, parse_exit_codes
 from ..mpi.reaper import remove_orphan_segments
 from ..wire import REPORT_DIR_ENV, read_error_records
 
@@ -142,7 +142,7 @@ def _summarise(rc: int, output: str, report_dir: str, n: int, timeout, timed_out
     reported = {e.rank for e in errors}
     primary = primary_cause(errors)
     others = sorted((e for e in errors if e is not primary), key=lambda e: e.rank)
-    dead = {r: s for r, s in culprits(statuses).items() if r not in reported}
+    dead = {r: s for r, s in blame(statuses).items() if r not in reported}
     notes = []
     if timed_out:
         headline = f"the run took longer than --timeout {timeout:g} s; every rank was stopped"

@@ -47,14 +47,13 @@ def main(argv: list[str] | None = None) -> int:
     client = NotebookClient(nb, timeout=args.timeout, kernel_name="python3",
                             resources={"metadata": {"path": str(path.parent.resolve())}})
     status = 0
+    failure: CellExecutionError | None = None
     try:
         client.execute()
     except CellExecutionError as exc:
         status = 1
         failure = exc
-    else:
-        failure = None
-    for i, cell in enumerate(nb.cells):
+    for _i, cell in enumerate(nb.cells):
         if cell.cell_type != "code" or not cell.get("outputs") and cell.get("execution_count") is None:
             continue
         print(f"--- In [{cell.get('execution_count') or ' '}]: {cell.source.splitlines()[0] if cell.source else ''}")

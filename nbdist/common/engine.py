@@ -342,7 +342,7 @@ class Engine:
             self._sends.append(self.comm.isend(message, dest=COORDINATOR, tag=TAG_TO_COORDINATOR))
 
     def _send_requests(self, new: list[Request]) -> None:
-        items = []
+        items: list = []
         now = time.monotonic()
         for req in new:
             req.sent_at = now

@@ -26,20 +26,10 @@ KINDS_WITH_JOINED = {ALLREDUCE, BARRIER, JOIN}
 
 def rank_list(ranks) -> str:
     """'rank 3' or 'ranks 0, 2-5': compact, for messages that must stay readable at 64 ranks."""
+    from ..failure import rank_ranges  # the one rank-range formatter (no IPython in it)
+
     ranks = sorted(ranks)
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    parts, start, prev = [], None, None
-    for r in ranks:
-        if start is None:
-            start = prev = r
-        elif r == prev + 1:
-            prev = r
-        else:
-            parts.append(f"{start}" if start == prev else f"{start}-{prev}")
-            start = prev = r
-    parts.append(f"{start}" if start == prev else f"{start}-{prev}")
-    return "ranks " + ", ".join(parts)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + rank_ranges(ranks)
 
 
 def describe_by_rank(values: dict[int, object]) -> str:

@@ -209,7 +209,7 @@ def allreduce_async_(array, op=ReduceOp.Average, name: str | None = None,
     engine, _ = process_sets.resolve(process_set, "allreduce_")
     if _device_of(array) != "cpu":
         return _submit_gpu(ALLREDUCE, array, name, "allreduce_", engine=engine,
-                           op=_check_op(op, "allreduce_", None), prescale=prescale_factor,
+                           op=_check_op(op, "allreduce_", None), prescale=prescale_factor,  # type: ignore[arg-type]
                            postscale=postscale_factor)
     a = as_array(array, "allreduce_", inplace=True)
     op = _check_op(op, "allreduce_", a.dtype)

@@ -49,7 +49,7 @@ def dtype_name(dtype: np.dtype) -> str:
 
 def numpy_dtype(name: str) -> np.dtype:
     """The dtype of a name as signatures carry it ('float32', 'bfloat16')."""
-    return BFLOAT16 if name == "bfloat16" else np.dtype(name)
+    return BFLOAT16 if name == "bfloat16" else np.dtype(name)  # type: ignore[return-value]
 
 
 def is_half(dtype: np.dtype) -> bool:

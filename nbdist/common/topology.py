@@ -53,6 +53,6 @@ class Topology:
         """Free the communicators this topology created."""
         for c in (self.control_comm, self.data_comm, self.local_comm, self.cross_comm):
             try:
-                c.Free()
+                c.Free()  # type: ignore[attr-defined]
             except Exception:  # already freed, or MPI finalized
                 pass

@@ -50,6 +50,6 @@ class Transport(abc.ABC):
                       counts: Sequence[int], op: ReduceOp) -> None:
         """Reduce `send` across ranks; rank r keeps elements [sum(counts[:r]), +counts[r])."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027  (optional: most transports hold nothing)
         """Release what the transport holds (segments, communicators)."""
 

@@ -11,7 +11,6 @@ DistributedGradientTape already reduced does not reduce them a second time.
 """
 from __future__ import annotations
 
-import numpy as np
 import tensorflow as tf
 
 from nbdist import common as _c

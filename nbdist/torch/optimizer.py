@@ -166,7 +166,7 @@ class _DistributedMixin:
             else:  # older torch: the hook on the parameter's AccumulateGrad node
                 acc = p.expand_as(p).grad_fn.next_functions[0][0]
                 hook = self._make_hook(p)
-                self._hook_handles.append(acc.register_hook(lambda *_: hook(p)))
+                self._hook_handles.append(acc.register_hook(lambda *_, hook=hook, p=p: hook(p)))
                 self._hook_handles.append(acc)  # keep the node alive, or its hook is lost
 
     def _make_hook(self, p):
@@ -308,7 +308,7 @@ class _DistributedMixin:
             return super().step(averaging_closure)
         if self._should_synchronize:
             if self._synchronized:
-                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "  # noqa: B028
                               "context after optimizer.synchronize(). This can cause training "
                               "slowdown. You may want to consider using "
                               "optimizer.skip_synchronize() context if you use "

@@ -93,7 +93,7 @@ class SimHosts:
         try:
             self._make_network()
             self._make_ssh()
-            for i, name in enumerate(self.names):
+            for _i, name in enumerate(self.names):
                 self._start_sshd(name)
             self._wait_for_sshd()
         except Unavailable:

@@ -3,8 +3,6 @@
 Every rank runs the same tests in the same order. Values are small integers so
 results are exact for every dtype (float16 and bfloat16 included).
 """
-import itertools
-import threading
 import time
 
 import numpy as np
@@ -231,7 +229,7 @@ def test_hundreds_of_small_ops_fused():
 
 def test_steady_state_uses_response_cache():
     engine = hvd.basics.engine()
-    for step in range(3):
+    for _step in range(3):
         hs = [hvd.allreduce_async(np.ones(5, np.float32), name=f"steady.{i}") for i in range(10)]
         [hvd.synchronize(h) for h in hs]
     cached = [n for n in engine._cache if n.startswith("steady.")]

@@ -28,9 +28,9 @@ _pre = f"pid {os.getpid()} sid {os.getsid(0)} pgid {os.getpgrp()} ppid {os.getpp
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from nbdist.common.ops_base import ReduceOp
-from nbdist.common.transport import TransportError
-from nbdist.common.transports.shm import ShmTransport
+from nbdist.common.ops_base import ReduceOp  # noqa: E402
+from nbdist.common.transport import TransportError  # noqa: E402
+from nbdist.common.transports.shm import ShmTransport  # noqa: E402
 
 signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # again, in case MPI_Init installed a handler
 COMM = MPI.COMM_WORLD

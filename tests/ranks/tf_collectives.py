@@ -101,7 +101,7 @@ def test_allgather_uneven_rows(mode, dtype):
 def test_broadcast_from_each_root(mode, dtype):
     for root in range(N):
         x = base(dtype)
-        out = run(mode, lambda t: hvd.broadcast(t, root, name=f"bcast.{root}"), x)
+        out = run(mode, lambda t, root=root: hvd.broadcast(t, root, name=f"bcast.{root}"), x)
         values = np.arange(6).reshape(2, 3) % 5
         expect = (values + root) % 2 == 0 if dtype == tf.bool else values * (root + 1)
         np.testing.assert_array_equal(as_np(out), np.asarray(expect, dtype=as_np(out).dtype))

@@ -42,7 +42,7 @@ def train(model, opt, steps, bpps, distributed, closure_style=False, clip=None):
 
             def closure():
                 opt.zero_grad()
-                loss = F.mse_loss(model(x), y)
+                loss = F.mse_loss(model(x), y)  # noqa: B023  (called within this iteration)
                 loss.backward()
                 # every rank must see the same loss (LBFGS decides on it): average it
                 return hvd.allreduce(loss.detach()) if distributed else loss

@@ -37,7 +37,7 @@ class HierarchicalTransport(Transport):
             self.leaders = None
         # Which global ranks live on each node, in node order (the leaders' rank order).
         members = topology.local_comm.allgather(topology.rank)
-        nodes = self.leaders.comm.allgather(members) if self.is_leader else None
+        nodes = self.leaders.comm.allgather(members) if self.is_leader else None  # type: ignore[union-attr]
         self.nodes: list[list[int]] = topology.local_comm.bcast(nodes, root=0)
         self.node_of = {g: k for k, ranks in enumerate(self.nodes) for g in ranks}
         self.local_index = {g: i for ranks in self.nodes for i, g in enumerate(ranks)}

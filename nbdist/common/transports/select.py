@@ -113,7 +113,7 @@ class TransportSet:
             return self.nccl
         if self.cpu_mode == "hierarchical":
             if kind in HIERARCHICAL_KINDS:
-                return self.hierarchical
+                return self.hierarchical  # type: ignore[return-value]
             if kind in SHM_KINDS and self.shm is not None and not self.multi_node:
                 return self.shm
             return self.mpi

@@ -5,7 +5,6 @@ early stopping), as with Horovod, so that they see the averages.
 """
 from __future__ import annotations
 
-import warnings
 
 import numpy as np
 import tensorflow as tf
