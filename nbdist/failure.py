@@ -170,6 +170,21 @@ def raised_headline(primary: RankError) -> str:
     return f"rank {primary.rank} raised {primary.summary()}"
 
 
+def blame(statuses: dict[int, int], first_dead: set[int] | None = None) -> dict[int, int]:
+    """The ranks that died by themselves, from mpiexec's wait statuses.
+
+    MPI kills the other ranks with SIGKILL after the first death, so a rank with any other
+    status is a cause. When every status is SIGKILL (a rank was killed with -9 itself, e.g. by
+    the OOM killer), the ranks seen dying first (nbdist.mpi.deaths) are the cause.
+    """
+    from .mpi.hydra import culprits
+
+    dead = culprits(statuses)
+    if first_dead and len(dead) > 1 and set(first_dead) <= set(dead):
+        return {r: s for r, s in dead.items() if r in first_dead}
+    return dead
+
+
 def died_headline(dead: dict[int, str], stopped: list[int] | None = None) -> str:
     """'rank 1 died (killed by signal 9)'; names the ranks MPI stopped because of it."""
     who = "; ".join(f"rank {r} died ({how})" for r, how in sorted(dead.items()))

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 from nbdist.common import errors
-from nbdist.failure import (FailureReport, RankError, describe_exception, is_follow_on, primary_cause,
+from nbdist.failure import (FailureReport, RankError, blame, describe_exception, is_follow_on, primary_cause,
                             raised_headline, rank_ranges, unwrap)
 
 # What TensorFlow 2.21 says when our numpy_function bridge raises inside a tf.function
@@ -32,7 +32,8 @@ def test_tf_wrapper_is_unwrapped_to_the_nbdist_error():
         "MismatchError", "allreduce 'g': rank 0 sent shape (3,), rank 1 sent (4,)")
     assert unwrap("InvalidArgumentError", TF_WRAPPED)[0] == "MismatchError"
     err = RankError.collect(0, "UnknownError", TF_WRAPPED)
-    assert raised_headline(err) == "rank 0 raised MismatchError: allreduce 'g': rank 0 sent shape (3,), rank 1 sent (4,)"
+    assert raised_headline(err) == ("rank 0 raised MismatchError: "
+                                    "allreduce 'g': rank 0 sent shape (3,), rank 1 sent (4,)")
     assert err.wrapper == "UnknownError" and not err.follow_on
     # a wrapped AbortedError is a follow-on, like a bare one
     assert RankError.collect(1, "UnknownError", TF_WRAPPED.replace("MismatchError", "AbortedError")).follow_on
@@ -87,3 +88,25 @@ def test_failure_module_imports_no_ipython():
            "bad = [m for m in sys.modules if m.startswith(('IPython', 'ipyparallel', 'nbdist.notebook'))]; " \
            "assert not bad, bad"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_death_watch_names_the_first_dead_process_and_its_status():
+    """The pidfd watch sees which process went first and reads its status before it is reaped."""
+    import time
+
+    from nbdist.mpi.deaths import DeathWatch
+
+    first = subprocess.Popen([sys.executable, "-c", "import os, time; time.sleep(0.5); os._exit(7)"])
+    second = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        watch = DeathWatch({0: first.pid, 1: second.pid})
+        deadline = time.monotonic() + 20
+        while not watch.first_dead() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert watch.first_dead() == {0}
+        assert watch.first_dead_statuses() == {0: 7 << 8}
+        assert blame({0: 9, 1: 9}, watch.first_dead()) == {0: 9}  # all SIGKILL: the first one
+    finally:
+        second.kill()
+        for p in (first, second):
+            p.wait()

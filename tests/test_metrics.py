@@ -424,7 +424,7 @@ for i in range(40):  # stops early (total 50): the last report is held back by t
 @pytest.mark.timeout(180)
 def test_datapub_from_real_engines_reaches_the_view(mpi_cluster, monkeypatch):
     monkeypatch.setenv("NBDIST_TEXT_INTERVAL", "0")
-    for cell in range(2):  # the second cell must start from a clean state on the engines
+    for _cell in range(2):  # the second cell must start from a clean state on the engines
         ar = mpi_cluster[:].execute(CELL, block=False)
         out = io.StringIO()
         view = progress_view.ProgressView(ar, 2, stream=out)

@@ -98,12 +98,39 @@ def _mapped_shm_files() -> set[str]:
     return held
 
 
-def remove_orphan_segments(since: float, known: set[str] | None = None) -> list[str]:
+def segments_of(procs: list[psutil.Process]) -> set[str]:
+    """The /dev/shm files these processes map or hold open (taken before killing them)."""
+    found: set[str] = set()
+    for proc in procs:
+        try:
+            with open(f"/proc/{proc.pid}/maps") as maps:
+                for line in maps:
+                    idx = line.find("/dev/shm/")
+                    if idx >= 0:
+                        found.add(line[idx:].strip().removesuffix(" (deleted)"))
+        except OSError:
+            continue
+    return found
+
+
+def remove_orphan_segments(since: float, known: set[str] | None = None, settle_s: float = 0.0) -> list[str]:
     """Remove this user's MPI/nbdist segments created since `since` that no live process uses.
 
-    Segments are matched by prefix and age, and kept while any process still maps
-    them, so a concurrent MPI job of the same user keeps its own.
+    Segments are matched by prefix and age (or named in `known`), and kept while any process
+    still maps them, so a concurrent MPI job of the same user keeps its own. With settle_s,
+    look again for that long while one of ours is still held: a killed rank unmaps its
+    segments only when the kernel has finished tearing it down, which takes a moment on a
+    loaded machine.
     """
+    deadline = time.monotonic() + settle_s
+    removed = _remove_orphan_segments_once(since, known)
+    while known and time.monotonic() < deadline and any(os.path.exists(p) for p in known):
+        time.sleep(0.1)
+        removed += _remove_orphan_segments_once(since, known)
+    return removed
+
+
+def _remove_orphan_segments_once(since: float, known: set[str] | None) -> list[str]:
     removed: list[str] = []
     try:
         entries = list(os.scandir("/dev/shm"))

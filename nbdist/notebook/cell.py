@@ -12,10 +12,12 @@ is restarted, saying so. The notebook is never left waiting for ever.
 """
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 
-from ..failure import FailureReport, RankError, primary_cause, raised_headline
+from ..failure import FailureReport, RankError, blame, died_headline, primary_cause, raised_headline
+from ..mpi.hydra import decode_wait_status
 from . import display, progress_view
 
 POLL_S = 0.1
@@ -23,6 +25,7 @@ ERROR_GRACE_S = 1.0
 INTERRUPT_GRACE_S = 5.0
 OUTPUT_WAIT_S = 2.0
 DEATH_WAIT_S = 15.0  # mpiexec needs a moment to collect every rank's exit status
+SEEN_DEATH_WAIT_S = 5.0  # ... unless the cluster's death watch already read the cause's status
 FINISHING_GRACE_S = 4.0  # a failed rank's abort may take the runtime's own wait
 
 
@@ -33,6 +36,8 @@ class CellOptions:
     targets: list[int] | None = None  # ranks; None = all
     output: str = "all"
     widgets: bool = True
+    cell_number: int | None = None  # the notebook's In[n], shown in the ranks' tracebacks
+    header: str | None = None  # the cell's magic line (the code starts on the next line)
 
 
 class _RankResult:
@@ -114,12 +119,28 @@ def _is_death(err) -> bool:
     return getattr(err, "ename", type(err).__name__) == "EngineError"
 
 
+def _as_in_notebook(code: str, opts: CellOptions) -> str:
+    """The code as the engines should run it so that tracebacks point into the notebook:
+    `Cell In[n], line L` with the notebook's n and the line the user sees.
+
+    The engine names a cell after its own execution counter, so the counter is set to the
+    notebook's first (a silent request, queued before the cell on the same channel: no
+    extra round trip); the magic line, as a comment, keeps the user's line numbers (IPython
+    drops leading blank lines, so a blank line would not).
+    """
+    if opts.header is None or code.lstrip().startswith("%%"):  # a cell magic must come first
+        return code
+    return "# " + opts.header.replace("\n", " ") + "\n" + code
+
+
 def run(cluster, code: str, opts: CellOptions):
     """Run code on the chosen ranks; return rank 0's result object or raise a display error."""
     ranks = opts.targets if opts.targets is not None else sorted(cluster.ranks)
     view = cluster.client[[cluster.engine_of(r) for r in ranks]]
+    if opts.cell_number is not None:
+        view.execute(f"get_ipython().execution_count = {int(opts.cell_number)}", silent=True, block=False)
     out = display.RankOutput(ranks, mode=opts.output)
-    ar = view.execute(code, silent=False, block=False)
+    ar = view.execute(_as_in_notebook(code, opts), silent=False, block=False)
     streamer = _Streamer(ar, ranks, out)
     progress = _progress_view(ar, ranks, opts.widgets)
 
@@ -252,12 +273,14 @@ def _restart(cluster) -> None:
 
 def _death_report(cluster, ranks: list[int], errors) -> FailureReport:
     """Who died and how (hydra's exit codes), then restart the cluster cleanly."""
-    statuses = cluster.exit_statuses(wait_s=DEATH_WAIT_S)
-    from ..mpi.hydra import culprits, decode_wait_status
-
-    dead = culprits({r: s for r, s in statuses.items()})
+    seen = cluster.first_dead_statuses()  # the first death, read from /proc at once
+    # hydra's report still tells how the others ended; with the cause known, wait less for it
+    statuses = cluster.exit_statuses(wait_s=SEEN_DEATH_WAIT_S if seen else DEATH_WAIT_S)
+    if len(statuses) < len(seen) or not statuses:
+        statuses = {**statuses, **seen}
+    dead = blame(statuses, set(seen) or cluster.first_dead())
     if dead:
-        who = "; ".join(f"rank {r} died ({decode_wait_status(s)})" for r, s in sorted(dead.items()))
+        who = died_headline({r: decode_wait_status(s) for r, s in dead.items()})
     else:
         # mpiexec did not report in time: every engine is gone, but which one went first is unknown
         who = "a rank died and MPI stopped the others (mpiexec reported no exit statuses in time)"
@@ -278,10 +301,19 @@ def _death_report(cluster, ranks: list[int], errors) -> FailureReport:
     return FailureReport(who, None, [], notes)
 
 
+_FAULTHANDLER_LINE = re.compile(r"^(Fatal Python error|Current thread|Thread 0x|Stack \(most recent|  File |"
+                                r"  <no Python frame>|  Garbage-collecting|Python runtime state|\s*$)")
+
+
 def _fatal_error_excerpt(log: str) -> str:
     """faulthandler's 'Fatal Python error' block from the engine log, if a rank crashed in Python."""
     idx = log.find("Fatal Python error")
     if idx < 0:
         return ""
-    block = log[idx:].split("\n\n")[0]
-    return "\n".join(block.splitlines()[:20])
+    lines = []
+    for line in log[idx:].splitlines()[:60]:
+        # faulthandler's report: the error, then each thread's frames (blank lines between)
+        if not _FAULTHANDLER_LINE.match(line):
+            break
+        lines.append(line)
+    return "\n".join(lines).strip()

@@ -19,16 +19,17 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import psutil
 
+from ..common.config import KERNEL_PID_ENV
 from ..mpi import reaper
+from ..mpi.deaths import DeathWatch
 from ..mpi.hydra import MpiexecNotFound, culprits, decode_wait_status, mpiexec_path, parse_exit_codes, venv_bin  # noqa: F401
 
 MAX_RANKS = 1024  # far beyond one notebook's reach; an absurd -n fails before anything starts
 START_TIMEOUT_S = 120
-EXIT_REPORT_GRACE_S = 5.0  # after mpiexec exited, how long its exit-code report may take to show (1 s was too short once under CI load)
+EXIT_REPORT_GRACE_S = 5.0  # after mpiexec exited, how long its exit-code report may take to show
 
 
 class ClusterError(RuntimeError):
@@ -67,6 +68,7 @@ class DistCluster:
         # it sees mpiexec exit, and an open handle still reads a deleted file.
         self._output_handles: list = []
         self._atexit_registered = False
+        self._death_watch: DeathWatch | None = None
         self.last_start_s: float | None = None
 
     # ---- state -----------------------------------------------------------------------------
@@ -190,7 +192,7 @@ class DistCluster:
         t0 = time.monotonic()
         self._started_at = time.time()
         self._profile_dir = tempfile.mkdtemp(prefix="nbdist-ipp-")  # 0700: connection files stay private
-        engine_env = {"NBDIST_KERNEL_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1",
+        engine_env = {KERNEL_PID_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1",
                       "PATH": f"{venv_bin()}{os.pathsep}{os.environ.get('PATH', '')}", **env}
         kwargs = {}
         if hosts or launcher in ("slurm", "ssh"):
@@ -247,12 +249,22 @@ class DistCluster:
         if sorted(self.ranks) != list(range(len(self.ranks))):
             raise ClusterError(f"the engines are not one MPI world (ranks {sorted(self.ranks)}); "
                                f"the {self.launcher!r} launcher did not start them under one mpiexec")
+        here = socket.gethostname()
+        self._death_watch = DeathWatch({r: info.pid for r, info in self.ranks.items() if info.host == here})
+
+    def first_dead(self) -> set[int]:
+        """The local ranks seen dying first (see nbdist.mpi.deaths); empty if unknown."""
+        return self._death_watch.first_dead() if self._death_watch is not None else set()
+
+    def first_dead_statuses(self) -> dict[int, int]:
+        """Wait statuses of the ranks seen dying first, read before MPI's report (may be empty)."""
+        return self._death_watch.first_dead_statuses() if self._death_watch is not None else {}
 
     def _start_watchdog(self) -> None:
         pids = [self.cluster.controller.process.pid] + [p.pid for p in self._mpiexec_procs()]
         me = psutil.Process()
         cmd = [sys.executable, "-m", "nbdist.mpi.reaper", str(os.getpid()), repr(me.create_time()),
-               self._profile_dir, repr(self._started_at), *map(str, pids)]
+               str(self._profile_dir), repr(self._started_at), *map(str, pids)]
         self._watchdog = subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL,
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -364,6 +376,7 @@ class DistCluster:
         # Everything under the controller and mpiexec (engines, nannies, MPI proxies), taken
         # now: once ipyparallel has killed mpiexec, its children are orphans we can't find.
         tree = reaper.process_trees(pids)
+        segments = reaper.segments_of(tree)  # the ranks' own MPI segments, whatever their age
         if self.client is not None:
             try:
                 self.client.close(linger=0)
@@ -376,11 +389,11 @@ class DistCluster:
                 self._notify(f"ipyparallel could not stop the cluster cleanly ({exc!r}); killing it", "warning")
         reaper.kill_procs([p for p in tree if reaper._alive(p.pid)], grace_s=2.0)
         self._close_output_files()
-        reaper.remove_orphan_segments(self._started_at)
+        reaper.remove_orphan_segments(self._started_at, known=segments, settle_s=5.0)
         if self._watchdog is not None:
             try:
-                self.reaper.kill()
-                self.reaper.wait(5)
+                self._watchdog.kill()
+                self._watchdog.wait(5)
             except Exception:
                 pass
             self._watchdog = None
@@ -389,11 +402,15 @@ class DistCluster:
             self._profile_dir = None
         self.client = self.view = None
         self.ranks = {}
+        if self._death_watch is not None:
+            self._death_watch.stop()
+            self._death_watch = None
         return True
 
     def restart(self) -> None:
         """Stop and start again with the same shape (after a fatal fault)."""
         n, launcher, hosts, env = self.n, self.launcher, self.hosts, self.env
+        assert n is not None, "restart() of a cluster that never started"
         self.stop(quiet=True)
         self.start(n, launcher, hosts, env)
 
@@ -428,7 +445,7 @@ class DistCluster:
                     fresh = {info["rank"]: info for info in ar.get()}
             except Exception:
                 fresh = {}
-        queue = {}
+        queue: dict = {}
         try:
             queue = self.client.queue_status() if self.client is not None else {}
         except Exception:

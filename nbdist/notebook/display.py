@@ -14,6 +14,7 @@ import time
 from ..failure import FailureReport, RankError, rank_ranges, strip_ansi  # noqa: F401  (re-exported for the cell loop)
 
 MAX_LINES_PER_RANK = 400  # a chatty rank must not turn the notebook into a wall of text
+MAX_LEAD_CHARS = 1_000_000  # the lead rank's text kept in its block (the rest: "earlier lines not shown")
 UPDATE_INTERVAL_S = 0.25  # how often the grouped block of the other ranks is redrawn
 
 
@@ -100,6 +101,14 @@ class RankOutput:
         self._handle = None
         self._dirty = False
         self._last_update = 0.0
+        # In a kernel with other ranks shown, the lead rank's text is a block of its own,
+        # displayed before the others' block and updated in place: written as plain stream
+        # output it would land after the others' block once that exists, splitting it.
+        self._lead_block = self.rich and mode == "all" and len(self.ranks) > 1
+        self._lead_text = ""
+        self._lead_dropped = 0
+        self._lead_handle = None
+        self._lead_dirty = False
 
     # -- input ------------------------------------------------------------------------------
 
@@ -108,6 +117,9 @@ class RankOutput:
         if not text or self.mode == "none":
             return
         if rank == self.lead:
+            if self._lead_block:
+                self._add_lead(text)
+                return
             stream = sys.stderr if name == "stderr" else sys.stdout
             stream.write(text)
             stream.flush()
@@ -119,6 +131,20 @@ class RankOutput:
         self._partial[(rank, name)] = rest
         for line in complete:
             self._add_line(rank, name, line)
+
+    def _add_lead(self, text: str) -> None:
+        self._lead_text += text
+        if len(self._lead_text) > MAX_LEAD_CHARS:  # keep the tail, as a terminal's scrollback does
+            cut = self._lead_text.index("\n", len(self._lead_text) - MAX_LEAD_CHARS) + 1
+            self._lead_dropped += self._lead_text.count("\n", 0, cut)
+            self._lead_text = self._lead_text[cut:]
+        self._lead_dirty = True
+
+    def lead_text(self) -> str:
+        """The lead rank's output as a terminal shows it: a carriage return rewrites its line."""
+        lines = [line.rstrip("\r").rsplit("\r", 1)[-1] for line in self._lead_text.split("\n")]
+        head = [f"... {self._lead_dropped} earlier lines not shown"] if self._lead_dropped else []
+        return "\n".join(head + lines)
 
     def _add_line(self, rank: int, name: str, line: str) -> None:
         if not self.rich:
@@ -144,13 +170,23 @@ class RankOutput:
     # -- output -----------------------------------------------------------------------------
 
     def flush(self, force: bool = False) -> None:
-        """Redraw the grouped block of the other ranks if it changed (rate-limited)."""
-        if not self._dirty:
+        """Redraw the lead rank's block and the other ranks' block if they changed (rate-limited)."""
+        if not self._dirty and not self._lead_dirty:
             return
         now = time.monotonic()
         if not force and now - self._last_update < UPDATE_INTERVAL_S:
             return
         self._last_update = now
+        if self._lead_block and (self._lead_handle is None or self._lead_dirty):
+            # Created first, so it stays above the others' block whoever prints first.
+            bundle = {"text/plain": self.lead_text()}
+            if self._lead_handle is None:
+                self._lead_handle = _publish(bundle, display_id=True)
+            else:
+                self._lead_handle.update(bundle, raw=True)
+            self._lead_dirty = False
+        if not self._dirty:
+            return
         self._dirty = False
         bundle = self._bundle()
         if self._handle is None:

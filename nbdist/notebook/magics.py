@@ -99,7 +99,7 @@ def parse_env(items: list[str] | None) -> dict[str, str]:
 
 
 def parse_hosts(items: list[str] | None) -> list[str]:
-    hosts = []
+    hosts: list[str] = []
     for item in items or []:
         hosts.extend(h for h in item.split(",") if h)
     return hosts
@@ -155,10 +155,11 @@ class DistributedMagics(Magics):
             raise UsageError("another %%distributed cell is still running in this kernel; wait for it "
                              "(or interrupt it) before starting a new one")
 
-    def _run_code(self, code: str, args, n: int) -> object:
+    def _run_code(self, code: str, args, n: int, header: str | None = None) -> object:
         opts = cell_mod.CellOptions(timeout=parse_timeout(args.timeout),
                                     targets=parse_targets(args.targets, n),
-                                    output=args.output, widgets=not args.no_widgets)
+                                    output=args.output, widgets=not args.no_widgets,
+                                    cell_number=self._cell_number(), header=header)
         self._claim()
         try:
             self._ensure(n)
@@ -167,6 +168,11 @@ class DistributedMagics(Magics):
             return cell_mod.run(self.cluster, code, opts)
         finally:
             self._busy.release()
+
+    def _cell_number(self) -> int | None:
+        """The running notebook cell's In[n]: IPython counts the next cell while one runs."""
+        count = getattr(self.shell, "execution_count", None)
+        return count - 1 if isinstance(count, int) and count > 1 else None
 
     def _pin_gpus(self) -> None:
         view = self.cluster.client[self.cluster.engine_ids]
@@ -209,7 +215,7 @@ class DistributedMagics(Magics):
         if not cell or not cell.strip():
             raise UsageError("%%distributed: the cell is empty - nothing to run")
         n = self._default_n(args.n)
-        return self._run_code(cell, args, n)
+        return self._run_code(cell, args, n, header=f"%%distributed {line}".rstrip())
 
     # -- cluster management -----------------------------------------------------------------
 

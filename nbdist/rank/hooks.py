@@ -86,7 +86,7 @@ def setup(kernel_pid: int | None, kernel_host: str) -> dict:
         if shell is not None:
             shell.set_custom_exc((BaseException,), _on_cell_error)
         try:
-            faulthandler.enable(file=sys.__stderr__)
+            faulthandler.enable(file=sys.__stderr__)  # type: ignore[arg-type]
         except Exception:
             pass
         if kernel_pid and socket.gethostname() == kernel_host:
