@@ -176,8 +176,10 @@ def main(argv: list[str]) -> int:
         if not _alive(kernel_pid, kernel_start):
             break
         time.sleep(POLL_S)
-    kill_trees(pids)
-    remove_orphan_segments(since)
+    tree = process_trees(pids)
+    segments = segments_of(tree)  # the ranks' own segments, whatever their age
+    kill_procs(tree)
+    remove_orphan_segments(since, known=segments, settle_s=5.0)
     shutil.rmtree(profile_dir, ignore_errors=True)
     return 0
 
