@@ -94,7 +94,7 @@ def test_stall_warning_then_timeout_then_tombstone():
 def test_overdue_then_fail_stalled_as_the_shm_agreement_uses_them():
     """Rank 0's replica names the overdue ops; every replica fails them the same way."""
     replicas = [make(size=4) for _ in range(2)]
-    for coord, clock, _ in replicas:
+    for coord, _clock, _ in replicas:
         coord.add(0, ("s", sig(), True))
         coord.add(2, ("s", sig(), True))
     coord0, clock0, warnings0 = replicas[0]

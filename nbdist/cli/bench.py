@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -62,9 +61,10 @@ def measure(ranks: Iterable[int] = (2,), sizes: Iterable[int | str] = ("4K", "64
             seconds: float = 0.1, repeats: int = 1, timeout: float = 600) -> list[dict]:
     """Run `nbdist bench` on each rank count and return one row per measurement.
 
-    Each rank count (2 or more: one rank has nothing to communicate) is its own `mpiexec -n N` run of benchmarks/collectives.py (sizes
-    as bytes or "4K"/"1M"; ops of allreduce, allgather, broadcast; impls of nbdist,
-    nbdist-raw, mpi4py, gloo). A row is a dict: ranks, op, bytes, impl, time_us (the
+    Each rank count (2 or more: one rank has nothing to communicate) is its own
+    `mpiexec -n N` run of benchmarks/collectives.py (sizes as bytes or "4K"/"1M"; ops of
+    allreduce, allgather, broadcast; impls of nbdist, nbdist-raw, mpi4py, gloo). A row is a
+    dict: ranks, op, bytes, impl, time_us (the
     slowest rank's mean per op), algbw_GBps, busbw_GBps. Raises RuntimeError with the
     benchmark's output when a run fails.
     """

@@ -78,7 +78,8 @@ class ShmAgreement:
 
     def prepare(self, new: list[Request], control: list[tuple], now: float) -> list[tuple]:
         """Take in new requests and control items; the items to send in the next cycle."""
-        coord, items = self.coord, []
+        coord = self.coord
+        items: list[tuple] = []
         local = self.engine._local
         for req in new:
             req.sent_at = now
@@ -150,7 +151,7 @@ class ShmAgreement:
             offset = 0
             for r, n in enumerate(lengths):
                 if n:
-                    per_rank[r] = pickle.loads(recv[offset:offset + n])
+                    per_rank[r] = pickle.loads(recv[offset:offset + n])  # type: ignore[arg-type]
                 offset += n
         ready = np.flatnonzero(vec[size:]).tolist() if nbits else []
 

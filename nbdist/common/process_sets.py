@@ -119,7 +119,7 @@ def _build(process_set: ProcessSet) -> ProcessSet:
     # mistake is a clear error on all ranks rather than a split that hangs.
     seen = world.allgather(tuple(ranks))
     if len(set(seen)) > 1:
-        raise errors.MismatchError(f"add_process_set: ranks passed different sets: "
+        raise errors.MismatchError("add_process_set: ranks passed different sets: "
                                    + "; ".join(f"rank {r}: {list(s)}" for r, s in enumerate(seen)))
     with _lock:
         for existing, _, _ in _sets.values():

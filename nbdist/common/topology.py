@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -16,11 +17,11 @@ class Topology:
     cross_size: int
     hostname: str
     hosts: list  # every rank's hostname, in rank order (for messages and %dist_status)
-    world: object  # the user's MPI communicator (COMM_WORLD)
-    control_comm: object  # private dup: negotiation messages
-    data_comm: object  # private dup: collective data
-    local_comm: object  # ranks on this node (or this pretend node)
-    cross_comm: object  # ranks with the same local rank, one per node
+    world: Any  # the user's MPI communicator (COMM_WORLD)
+    control_comm: Any  # private dup: negotiation messages
+    data_comm: Any  # private dup: collective data
+    local_comm: Any  # ranks on this node (or this pretend node)
+    cross_comm: Any  # ranks with the same local rank, one per node
 
     @classmethod
     def from_mpi(cls, comm, local_size_override: int = 0) -> "Topology":
@@ -53,6 +54,6 @@ class Topology:
         """Free the communicators this topology created."""
         for c in (self.control_comm, self.data_comm, self.local_comm, self.cross_comm):
             try:
-                c.Free()  # type: ignore[attr-defined]
+                c.Free()
             except Exception:  # already freed, or MPI finalized
                 pass

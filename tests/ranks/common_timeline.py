@@ -59,7 +59,7 @@ def test_timeline_records_phases_of_every_op(tmp_path_factory):
 def test_fused_allreduces_show_the_fusion_buffer_copies(tmp_path_factory):
     path = os.path.join(_shared_dir(tmp_path_factory), "{rank}.json")
     hvd.start_timeline(path)
-    for step in range(5):  # a burst of small named ops: the engine fuses some of them
+    for _step in range(5):  # a burst of small named ops: the engine fuses some of them
         hs = [hvd.allreduce_async(np.ones(16, np.float32), name=f"tl.burst.{i}") for i in range(8)]
         for h in hs:
             hvd.synchronize(h)
