@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import atexit
-import os
 import threading
 
 from . import errors, timeline
-from .config import Config
+from .config import Config, env_str
 from .topology import Topology
 
 _lock = threading.Lock()
@@ -56,10 +55,9 @@ def _init(comm) -> None:
         engine = Engine(topology, config,
                         lambda should_stop: TransportSet(config, topology, should_stop))
         _state.update(engine=engine, topology=topology, config=config)
-        path = os.environ.get("NBDIST_TIMELINE") or os.environ.get("HOROVOD_TIMELINE")
+        path = env_str("TIMELINE")
         if path:
-            cycles = (os.environ.get("NBDIST_TIMELINE_MARK_CYCLES")
-                      or os.environ.get("HOROVOD_TIMELINE_MARK_CYCLES") or "0")
+            cycles = env_str("TIMELINE_MARK_CYCLES", "0") or "0"
             timeline.start(path, topology.rank, cycles.lower() not in ("0", "false", ""))
 
 

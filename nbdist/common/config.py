@@ -66,6 +66,12 @@ class Config:
 
 # ---- knobs read where they are used (not per init): still named and parsed only here ---------
 
+def env_str(name: str, default: str | None = None) -> str | None:
+    """NBDIST_<name>, else Horovod's HOROVOD_<name>, else default (TIMELINE, AGREEMENT ...)."""
+    value = _env(name)
+    return value if value is not None else default
+
+
 def env_int(name: str, default: int) -> int:
     """NBDIST_<name> as a whole number (tuning knobs of the transports, e.g. SHM_SLOT_BYTES)."""
     raw = _env(name, horovod_name="NBDIST_" + name)

@@ -28,13 +28,13 @@ abort(reason); stop(); auto_name(kind).
 from __future__ import annotations
 
 import collections
-import os
 import sys
 import threading
 import time
 import traceback
 
 from . import errors, timeline
+from .config import env_str
 from .execution import Executor
 from .negotiation import Coordinator
 from .requests import Request, Response
@@ -130,7 +130,7 @@ class Engine:
 
     def _use_shm_agreement(self) -> bool:
         """Agree through shared memory: one node, shm transport (the same answer on every rank)."""
-        mode = os.environ.get("NBDIST_AGREEMENT", "auto").strip().lower() or "auto"
+        mode = (env_str("AGREEMENT", "auto") or "auto").strip().lower() or "auto"
         if mode not in ("auto", "shm", "coordinator"):
             raise ValueError(f"NBDIST_AGREEMENT={mode!r}: use auto, shm or coordinator")
         on_one_node = (self.size > 1 and self.topology.local_size == self.size
