@@ -18,6 +18,12 @@ def test_collectives_and_gradients(n):
     run_rank_tests(n, "tf_collectives.py", timeout=360, extra_env=TF_ENV)
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("n", [2, 4])
+def test_horovod_compat(n):
+    run_rank_tests(n, "tf_horovod_compat.py", timeout=260, extra_env=TF_ENV)
+
+
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("n", [2, 4])
 def test_training_keras3(n):

@@ -5,6 +5,8 @@ Everything of nbdist.common is here (init, rank, size, ..., the errors), and the
 collectives take tf tensors and variables, eagerly or inside tf.function, with
 gradients. See docs/tensorflow.md.
 """
+import tensorflow as _tf
+
 from nbdist import common as _common
 
 # Everything of the framework-neutral runtime first; the names below override the
@@ -13,11 +15,12 @@ globals().update({_n: getattr(_common, _n) for _n in dir(_common) if not _n.star
 
 from .compression import Compression  # noqa: E402
 from .functions import (allgather_object, broadcast_global_variables,  # noqa: E402
-                        broadcast_object, broadcast_variables)
+                        broadcast_object, broadcast_object_fn, broadcast_variables)
 from .mpi_ops import (allgather, allreduce, alltoall, broadcast, broadcast_,  # noqa: E402
-                      grouped_allreduce, reducescatter)
+                      grouped_allgather, grouped_allreduce, grouped_reducescatter,
+                      local_rank_op, local_size_op, rank_op, reducescatter, size_op)
 from .optimizer import DistributedOptimizer  # noqa: E402
 from .tape import DistributedGradientTape  # noqa: E402
 
-# Horovod's name for the one (global) process set.
-global_process_set = None
+# Horovod's tests (and some user code) call this private helper of horovod.tensorflow.
+_executing_eagerly = _tf.executing_eagerly

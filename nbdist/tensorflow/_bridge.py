@@ -80,19 +80,28 @@ def _dual_class(ours: type, theirs: type) -> type:
     return cls
 
 
-def tf_error(exc: BaseException, in_graph: bool) -> BaseException:
-    """The exception to raise for an nbdist error (or bad input) inside a TF collective.
+def tf_error(exc: BaseException) -> BaseException:
+    """The exception to raise eagerly for an nbdist error (or bad input) in a TF collective:
+    an instance of both our class and TF's (MismatchError and FailedPreconditionError, ...),
+    so either `except` catches it.
 
-    Eagerly it is an instance of both classes (our MismatchError and TF's
-    FailedPreconditionError, ...). Inside a graph TensorFlow keeps the status code only of
-    a plain tf.errors.OpError raised from the Python op, so there it is TF's class.
+    Inside a graph (tf.function, a Session) TensorFlow turns whatever a Python op raises
+    into UnknownError (ValueError/TypeError into InvalidArgumentError), whatever its class,
+    so there the error stays ours and its message reaches the user in TF's.
     """
     for ours, theirs in _TF_ERROR_OF:
         if isinstance(exc, ours) and not isinstance(exc, tf.errors.OpError):
-            if in_graph:
-                return theirs(None, None, str(exc))
             return _dual_class(ours, theirs)(str(exc))
     return exc
+
+
+def _is_function_graph(graph) -> bool:
+    """True for a tf.function's graph (runs as a whole), False for a TF1 Session graph."""
+    try:
+        from tensorflow.python.framework.func_graph import FuncGraph
+    except ImportError:  # pragma: no cover - private TF module moved
+        return True
+    return isinstance(graph, FuncGraph)
 
 
 def _register(wait: Callable[[], list]) -> np.int64:
@@ -119,7 +128,7 @@ def run(submit: Submit, inputs: Sequence, out_dtypes: Sequence[tf.DType],
         try:
             results = submit(*arrays)()
         except _CONVERTED as exc:
-            converted = tf_error(exc, in_graph=False)
+            converted = tf_error(exc)
             if converted is exc:
                 raise
             raise converted from None
@@ -137,30 +146,37 @@ def run(submit: Submit, inputs: Sequence, out_dtypes: Sequence[tf.DType],
         return _register(submit(*arrays))
 
     @tf.autograph.experimental.do_not_convert
+    def _wait_results(handle):
+        return _take(handle)()
+
+    @tf.autograph.experimental.do_not_convert
     def _wait(handle):
-        try:
-            results = _take(handle)()
-        except _errors.CollectiveError as exc:
-            converted = tf_error(exc, in_graph=True)
-            if converted is exc:
-                raise
-            raise converted from None
+        results = _wait_results(handle)
         # numpy_function insists on the exact declared dtypes.
         return [np.asarray(r, dtype=d.as_numpy_dtype, order="C")
                 for r, d in zip(results, out_dtypes)]
 
     graph = tf.compat.v1.get_default_graph()
-    previous = getattr(graph, _LAST_SUBMIT, None)
+    # Chain the submits of a tf.function, which runs whole. A TF1 graph (Session.run) runs
+    # only what a fetch needs: a chain would re-run earlier steps' submits with no wait
+    # for them (a name "submitted twice", or an op no peer runs), so there none is kept.
+    chained = _is_function_graph(graph)
+    previous = getattr(graph, _LAST_SUBMIT, None) if chained else None
     deps = [previous] if previous is not None else []
     with tf.control_dependencies(deps):
         handle = tf.numpy_function(_submit, list(inputs), tf.int64, stateful=True,
                                    name="NbdistSubmit")
-    setattr(graph, _LAST_SUBMIT, handle.op)
+    if chained:
+        setattr(graph, _LAST_SUBMIT, handle.op)
     if not out_dtypes:
         # Nothing comes back (e.g. a check): the wait still has to run for its error.
-        done = tf.numpy_function(tf.autograph.experimental.do_not_convert(
-            lambda h: (_take(h)(), np.int64(0))[1]), [handle], tf.int64,
-                                 stateful=True, name="NbdistWait")
+        @tf.autograph.experimental.do_not_convert
+        def _wait_only(h):
+            _wait_results(h)
+            return np.int64(0)
+
+        done = tf.numpy_function(_wait_only, [handle], tf.int64, stateful=True,
+                                 name="NbdistWait")
         return [done]
     outputs = tf.numpy_function(_wait, [handle], list(out_dtypes), stateful=True,
                                 name="NbdistWait")

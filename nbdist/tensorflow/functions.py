@@ -105,3 +105,17 @@ def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=None
 def allgather_object(obj, session=None, name=None, process_set=None):
     """Every rank's Python object, as a list in rank order."""
     return _c.allgather_object(obj, name=name)
+
+
+def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=None):
+    """Horovod's factory for TF1 sessions: a function that broadcasts an object from root.
+
+    nbdist's broadcast_object needs no session or graph, so the function returned calls
+    it; `session` is accepted for Horovod code and not used.
+    """
+    base = name or "broadcast_object_fn"
+
+    def _bcast(obj):
+        return _c.broadcast_object(obj, root_rank=root_rank, name=base)
+
+    return _bcast

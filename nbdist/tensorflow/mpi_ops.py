@@ -146,17 +146,25 @@ def _allreduce_dense(tensors, op, prescale, postscale, names) -> list:
     return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
-def _allreduce_sparse(slices: tf.IndexedSlices, op, prescale, postscale, name):
-    """An allreduce of IndexedSlices: allgather values and indices (Horovod's way)."""
+def _check_sparse(op, prescale, postscale) -> None:
+    """What Horovod refuses for tf.IndexedSlices, before anything is sent."""
     if int(op) not in _DIFFERENTIABLE_REDUCTIONS:
         raise NotImplementedError(f"allreduce of tf.IndexedSlices supports Average and Sum, "
                                   f"not {_c.ReduceOp(int(op)).name}")
+    if prescale != 1.0 or postscale != 1.0:
+        raise NotImplementedError("prescale_factor/postscale_factor are not supported with "
+                                  "tf.IndexedSlices (as in Horovod)")
+
+
+def _allreduce_sparse(slices: tf.IndexedSlices, op, prescale, postscale, name):
+    """An allreduce of IndexedSlices: allgather values and indices (Horovod's way)."""
+    _check_sparse(op, prescale, postscale)
     values, indices = _raw_allgather([slices.values, slices.indices],
                                      [_naming.derived(name, "values"),
                                       _naming.derived(name, "indices")])
-    scale = prescale * postscale / (_c.size() if int(op) == int(Average) else 1)
-    if scale != 1.0:
-        values = values * tf.cast(scale, values.dtype)
+    if int(op) == int(Average):
+        # TF's division: integer values become float64 (uint8 / 2 is not rounded to 0)
+        values = values / tf.cast(_c.size(), values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
 
@@ -185,8 +193,11 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
     tensors = list(tensors)
     if not tensors:
         return []
+    if any(isinstance(t, tf.IndexedSlices) for t in tensors):
+        _check_sparse(op, prescale_factor, postscale_factor)
     if name is None and not tf.executing_eagerly():
-        first, last = tensors[0], tensors[-1]
+        first, last = (t.values if isinstance(t, tf.IndexedSlices) else t
+                       for t in (tensors[0], tensors[-1]))
         name = f"HorovodGroupedAllreduce_{first.name}_{last.name}_{len(tensors)}"
     results: list = [None] * len(tensors)
     dense_at = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
@@ -239,7 +250,12 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set
         def grad(dy):
             reduced = _allreduce_dense([tf.convert_to_tensor(dy)], Average, 1.0, 1.0,
                                        [_naming.derived(op_name, "grad")])[0]
-            return reduced if _c.rank() == root_rank else tf.zeros_like(reduced)
+            if _c.rank() == root_rank:
+                return reduced
+            # zeros_like alone would not run the allreduce in a graph (its shape is
+            # known), and the root would wait for this rank
+            with tf.control_dependencies([reduced]):
+                return tf.zeros_like(reduced)
         return y, grad
 
     return bcast(tensor)
@@ -297,5 +313,125 @@ def broadcast_(variables, root_rank, name=None, process_set=None):
     """Broadcast variables in place from root_rank; returns their new values."""
     from .functions import broadcast_variables
 
-    broadcast_variables(variables, root_rank, name=name)
-    return [tf.convert_to_tensor(v) for v in variables]
+    variables = list(variables)
+    group = broadcast_variables(variables, root_rank, name=name)
+    if group is None:  # eager: done
+        return [tf.convert_to_tensor(v) for v in variables]
+    # in a graph the values returned must be read after the assignments
+    with tf.control_dependencies([group]):
+        return [tf.identity(v.read_value() if hasattr(v, "read_value") else v)
+                for v in variables]
+
+
+def grouped_allgather(tensors, name=None, process_set=None):
+    """Allgather each tensor of a list; all are submitted before any is waited on."""
+    check_process_set(process_set, "grouped_allgather")
+    tensors = [_tensor(t, "grouped_allgather") for t in tensors]
+    if not tensors:
+        return []
+    if name is None and not tf.executing_eagerly():
+        name = f"HorovodGroupedAllgather_{tensors[0].name}_{tensors[-1].name}_{len(tensors)}"
+    names = [_naming.derived(_naming.clean(name) if name else None, str(i))
+             for i in range(len(tensors))]
+
+    @tf.custom_gradient
+    def gather(*xs):
+        ys = _raw_allgather(list(xs), names)
+
+        def grad(*dys):
+            dys = [tf.convert_to_tensor(dy) for dy in dys]
+            averaged = _allreduce_dense(dys, Average, 1.0, 1.0,
+                                        [_naming.derived(n, "grad") for n in names])
+            rows = [tf.reshape(tf.shape(x, out_type=tf.int64)[0], [1]) for x in xs]
+            all_rows = _raw_allgather(rows, [_naming.derived(n, "grad.rows") for n in names])
+            return [tf.split(dy, r, num=_c.size(), axis=0)[_c.rank()]
+                    for dy, r in zip(averaged, all_rows)]
+        return ys, grad
+
+    out = gather(*tensors)
+    return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+def grouped_reducescatter(tensors, op=None, name=None, process_set=None, prescale_factor=1.0,
+                          postscale_factor=1.0, average=None):
+    """Reducescatter each tensor of a list; all are submitted before any is waited on."""
+    op = resolve_op(op, average, "grouped_reducescatter")
+    check_process_set(process_set, "grouped_reducescatter")
+    tensors = [_tensor(t, "grouped_reducescatter") for t in tensors]
+    if not tensors:
+        return []
+    for t in tensors:
+        if t.shape.rank == 0:
+            raise ValueError("grouped_reducescatter: scalars cannot be scattered; pass tensors "
+                             "with at least one dimension")
+    if name is None and not tf.executing_eagerly():
+        name = (f"HorovodGroupedReducescatter_{tensors[0].name}_{tensors[-1].name}_"
+                f"{len(tensors)}")
+    names = [_naming.derived(_naming.clean(name) if name else None, str(i))
+             for i in range(len(tensors))]
+    size, rank = _c.size(), _c.rank()
+
+    @tf.custom_gradient
+    def scatter(*xs):
+        def submit(*arrays):
+            handles = [_c.reducescatter_async(a, op=op, name=n, prescale_factor=prescale_factor,
+                                              postscale_factor=postscale_factor)
+                       for a, n in zip(arrays, names)]
+            return lambda: [_c.synchronize(h) for h in handles]
+
+        shapes = [_rows_shape(x, _share(x.shape[0] if x.shape.rank else None, size, rank))
+                  for x in xs]
+        ys = _bridge.run(submit, list(xs), [x.dtype for x in xs], shapes,
+                         f"grouped_reducescatter {names[0]!r}")
+
+        def grad(*dys):
+            _check_grad_op(op, "grouped_reducescatter")
+            scale = prescale_factor * postscale_factor * (size if int(op) == int(Sum) else 1)
+            dys = [tf.convert_to_tensor(dy) for dy in dys]
+            if scale != 1.0:
+                dys = [dy * tf.cast(scale, dy.dtype) for dy in dys]
+            return _raw_allgather(dys, [_naming.derived(n, "grad") for n in names])
+        return ys, grad
+
+    out = scatter(*tensors)
+    return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+def _topology_op(value_of, name: str):
+    """A graph op that reads a topology value when it runs (so a graph built before init works)."""
+    @tf.autograph.experimental.do_not_convert
+    def read():
+        return np.int32(value_of())
+
+    if tf.executing_eagerly():
+        return tf.constant(read(), dtype=tf.int32, name=name)
+    out = tf.numpy_function(read, [], tf.int32, stateful=False, name=name)
+    out.set_shape([])
+    return out
+
+
+def rank_op(name=None):
+    """This rank, as an int32 tensor (Horovod's graph op)."""
+    return _topology_op(_c.rank, name or "HorovodRank")
+
+
+def local_rank_op(name=None):
+    """This rank's local rank, as an int32 tensor."""
+    return _topology_op(_c.local_rank, name or "HorovodLocalRank")
+
+
+def size_op(process_set_id=0, name=None):
+    """The number of ranks (of a process set), as an int32 tensor."""
+    if process_set_id:
+        from nbdist.common import process_sets as _ps
+
+        entry = _ps._sets.get(process_set_id)
+        if entry is None:
+            raise ValueError(f"size_op: no process set with id {process_set_id}")
+        return _topology_op(lambda: len(entry[0].ranks), name or "HorovodSize")
+    return _topology_op(_c.size, name or "HorovodSize")
+
+
+def local_size_op(name=None):
+    """The number of ranks on this node, as an int32 tensor."""
+    return _topology_op(_c.local_size, name or "HorovodLocalSize")

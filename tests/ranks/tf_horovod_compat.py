@@ -1,0 +1,120 @@
+"""Behaviours Horovod's own test_tensorflow.py checks, pinned in our words (under mpiexec).
+
+Each was once wrong in nbdist: the error types TF code catches, IndexedSlices averages
+of integer values, the TF graph ops and helpers Horovod code calls, grouped ops and the
+broadcast gradient inside a graph.
+"""
+import numpy as np
+import pytest
+
+from _tf_setup import hvd, tf
+
+R, N = hvd.rank(), hvd.size()
+MODES = ["eager", "function"]
+
+
+def run(mode, fn, *args):
+    return fn(*args) if mode == "eager" else tf.function(fn)(*args)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mismatch_is_a_failed_precondition(mode):
+    if N == 1:
+        pytest.skip("needs two ranks")
+    x = tf.ones([3], dtype=tf.int32 if R % 2 == 0 else tf.float32)
+    # eagerly TF's FailedPreconditionError, as Horovod's op raises; in a graph TensorFlow
+    # reports any error of a Python op as UnknownError, with our message
+    expected = tf.errors.FailedPreconditionError if mode == "eager" else tf.errors.OpError
+    with pytest.raises(expected, match="ranks disagree on dtype"):
+        run(mode, lambda t: hvd.allreduce(t, name=f"compat.mismatch.{mode}"), x)
+    if mode == "eager":  # our own class too, so either except clause catches it
+        with pytest.raises(hvd.MismatchError):
+            hvd.broadcast(tf.ones([2 + R]), 0, name="compat.mismatch.bcast")
+
+
+def test_bad_input_is_an_invalid_argument_eagerly():
+    with pytest.raises(tf.errors.InvalidArgumentError, match="splits"):
+        hvd.alltoall(tf.ones([N + 1]), splits=tf.constant([N + 2] + [0] * (N - 1)))
+    with pytest.raises(ValueError):  # and still a ValueError
+        hvd.alltoall(tf.ones([N + 1]), splits=tf.constant([N + 2] + [0] * (N - 1)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [tf.uint8, tf.int32, tf.float32])
+def test_indexed_slices_average_divides_like_tensorflow(mode, dtype):
+    values = tf.cast(tf.fill([2, 3], 3), dtype)
+    slices = tf.IndexedSlices(values, tf.constant([R, R + 1]), dense_shape=tf.constant([N + 1, 3]))
+    out = run(mode, lambda: hvd.allreduce(slices, op=hvd.Average, name=f"compat.is.{mode}"))
+    # uint8 3 / 2 is 1.5 in TensorFlow's division, not a uint8 0 or 1
+    assert out.values.shape == (2 * N, 3)
+    np.testing.assert_allclose(np.asarray(out.values, np.float64), 3.0 / N)
+    with pytest.raises(NotImplementedError):
+        hvd.allreduce(slices, op=hvd.Sum, prescale_factor=2.0)
+    with pytest.raises(NotImplementedError):
+        hvd.grouped_allreduce([slices, slices], op=hvd.Max)
+
+
+def test_grouped_allreduce_of_mixed_slices_and_tensors():
+    x = tf.fill([4], float(R + 1))
+    slices = tf.IndexedSlices(tf.ones([1, 4]) * (R + 1), tf.constant([R]), tf.constant([N, 4]))
+    sparse, dense = hvd.grouped_allreduce([slices, x], op=hvd.Average)
+    mean = (N + 1) / 2
+    np.testing.assert_allclose(dense.numpy(), mean)
+    np.testing.assert_allclose(tf.math.unsorted_segment_sum(sparse.values, sparse.indices, N),
+                               [[(r + 1) / N] * 4 for r in range(N)])
+
+
+def test_topology_ops():
+    assert int(hvd.rank_op()) == R and int(hvd.size_op()) == N
+    assert int(hvd.local_rank_op()) == hvd.local_rank()
+    assert int(hvd.local_size_op()) == hvd.local_size()
+    traced = tf.function(lambda: hvd.rank_op() * 10 + hvd.size_op())()
+    assert int(traced) == R * 10 + N
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_grouped_allgather_and_reducescatter(mode):
+    xs = [tf.fill([R + 1, 2], float(R)) for _ in range(3)]
+    gathered = run(mode, lambda *t: hvd.grouped_allgather(list(t), name=f"compat.gag.{mode}"), *xs)
+    want = np.concatenate([np.full((r + 1, 2), float(r)) for r in range(N)])
+    for g in gathered:
+        np.testing.assert_array_equal(g.numpy(), want)
+    ys = [tf.ones([2 * N, 3]) * (i + 1) for i in range(2)]
+    scattered = run(mode, lambda *t: hvd.grouped_reducescatter(
+        list(t), op=hvd.Sum, name=f"compat.grs.{mode}", postscale_factor=0.5), *ys)
+    for i, s in enumerate(scattered):
+        np.testing.assert_allclose(s.numpy(), np.full((2, 3), (i + 1) * N * 0.5))
+
+
+def test_grouped_reducescatter_gradient_is_horovods():
+    xs = [tf.Variable(tf.ones([2 * N, 2])) for _ in range(2)]
+    with tf.GradientTape() as tape:
+        outs = hvd.grouped_reducescatter(xs, op=hvd.Sum)
+        loss = tf.add_n([tf.reduce_sum(o) for o in outs])
+    for g in tape.gradient(loss, xs):
+        np.testing.assert_allclose(g.numpy(), float(N))
+
+
+def test_broadcast_gradient_in_a_graph_runs_on_every_rank():
+    # in a graph, the non-root rank's zero gradient must still take part in the allreduce
+    x = tf.Variable(tf.ones([3]) * R)
+
+    @tf.function
+    def grad_of_broadcast():
+        with tf.GradientTape() as tape:
+            y = hvd.broadcast(x, 0, name="compat.bcast.grad")
+        return tape.gradient(y, x)
+
+    np.testing.assert_array_equal(grad_of_broadcast().numpy(), np.full(3, 1.0 if R == 0 else 0.0))
+
+
+def test_broadcast_object_fn_and_alltoall_with_empty_parts():
+    fn = hvd.broadcast_object_fn(root_rank=0, name="compat.bof")
+    assert fn({"r": R}) == {"r": 0}
+    # rank 0 sends nothing; the others send one row to every rank
+    rows = 0 if R == 0 else N
+    x = tf.reshape(tf.range(rows * 2, dtype=tf.float32), [rows, 2]) + 100 * R
+    splits = tf.constant([0 if R == 0 else 1] * N)
+    out, received = hvd.alltoall(x, splits, name="compat.a2a.empty")
+    assert received.numpy().tolist() == [0] + [1] * (N - 1)
+    assert out.shape == (N - 1, 2)
