@@ -112,7 +112,7 @@ class Peers:
             if op == "allreduce":
                 hvd.allreduce_(buf, op=hvd.Sum, name="bench.allreduce")
             elif op == "allgather":
-                out[...] = hvd.allgather(buf, name="bench.allgather")
+                hvd.allgather(buf, name="bench.allgather")  # the API's result is the output
             else:
                 hvd.broadcast_(buf, 0, name="bench.broadcast")
         elif impl == "nbdist-raw":

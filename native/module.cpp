@@ -112,6 +112,8 @@ void bind_shm(py::module_& m) {
            py::call_guard<py::gil_scoped_release>())
       .def("abort_reason", [](PyShm& s) { return s.comm().abort_reason(); })
       .def("set_cma_bytes", [](PyShm& s, size_t b) { s.comm().set_cma_bytes(b); })
+      .def("publish_queued", [](PyShm& s, int64_t v) { s.comm().publish_queued(v); })
+      .def("peers_queued", [](PyShm& s) { return s.comm().peers_queued(); })
       .def("ring", [](PyShm& s) { s.comm().ring(); },
            "Wake this process's wait_activity (any thread).")
       .def("wait_activity", [](PyShm& s, double timeout_s) { return s.comm().wait_activity(timeout_s); },

@@ -83,6 +83,16 @@ class ShmComm {
   int wait_activity(double timeout_s);
   // Wakes this process's wait_activity (any thread; a futex wake only if it sleeps).
   void ring();
+  // The agreement's "I have ops queued" word (the scratch word; its segment runs no
+  // collective that uses scratch): publish this rank's, and ask whether every peer's
+  // is non-zero. seq_cst on both sides: of two ranks publishing at once, at least one
+  // sees the other's.
+  void publish_queued(int64_t v) { hdr_->ranks[rank_].scratch.store(v, std::memory_order_seq_cst); }
+  bool peers_queued() const {
+    for (int r = 0; r < n_; ++r)
+      if (r != rank_ && hdr_->ranks[r].scratch.load(std::memory_order_seq_cst) == 0) return false;
+    return true;
+  }
 
   // Tuning (set from Python before the first op).
   void set_spin(int spin_iters, int yield_iters) { spin_iters_ = spin_iters; yield_iters_ = yield_iters; }

@@ -59,7 +59,8 @@ class ShmAgreement:
         self.rank, self.size = topology.rank, topology.size
         # A segment of this engine's own (one per engine, so one per process set).
         self.seg = ShmTransport(topology.local_comm, topology.rank, config.timeout_s,
-                                engine._should_stop, slot_bytes=CONTROL_SLOT_BYTES, nsets=2)
+                                engine._should_stop, slot_bytes=CONTROL_SLOT_BYTES, nsets=2,
+                                single_copy=False)  # its scratch words carry publish_queued
         self.native = self.seg._native
         self.coord = Coordinator(self.size, config.fusion_threshold, config.cache_capacity,
                                  config.stall_warning_s, config.timeout_s,
@@ -106,9 +107,19 @@ class ShmAgreement:
         return items
 
     def must_cycle(self, now: float) -> bool:
-        """True when a cycle is due without new items: a new cache bit, or a keep-alive
-        while ops are in flight."""
-        return self.news or (bool(self.engine._local) and now - self.last_cycle >= KEEPALIVE_S)
+        """True when a cycle is due without new items: a new cache bit that may complete an
+        op, or a keep-alive while ops are in flight.
+
+        A new bit starts a cycle only if every peer has ops queued too: otherwise the AND
+        is certainly empty, and the peer that is missing starts the cycle when it submits
+        (its bit is news to it). That saves the empty cycle the first rank to submit would
+        run in each step.
+        """
+        if self.news:
+            self.native.publish_queued(len(self.bit_pending))
+            if self.native.peers_queued():
+                return True
+        return bool(self.engine._local) and now - self.last_cycle >= KEEPALIVE_S
 
     def next_timeout(self, now: float) -> float:
         """How long the engine may sleep before prepare()/must_cycle() could say something."""
@@ -134,6 +145,7 @@ class ShmAgreement:
         eng, coord, size = self.engine, self.coord, self.size
         self.last_cycle = time.monotonic()
         self.news = False
+        self.native.publish_queued(len(self.bit_pending))
         self.stats["cycles"] += 1
         payload = pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL) if items else b""
         nbits = -(-len(coord.cache_by_id) // 16) * 16  # the same on every rank (replicas)
@@ -158,6 +170,7 @@ class ShmAgreement:
         aborts = [item[1] for items_r in per_rank for item in items_r if item[0] == "a"]
         if aborts:  # every rank fails every op in flight, and the next epoch starts clean
             self.bit_pending.clear()
+            self.native.publish_queued(0)
             eng._on_abort(coord.abort(), aborts[0])
             return
         units: list[list] = []
@@ -182,6 +195,9 @@ class ShmAgreement:
                 ready = [c for c in ready if by_id[c].name not in poisoned]
             for cid in ready:
                 del self.bit_pending[cid]
+            # Before running them: a peer that finishes first and submits its next op must
+            # not take this rank's consumed bits for queued ones (an empty cycle).
+            self.native.publish_queued(len(self.bit_pending))
             units += [[by_id[c].response for c in unit] for unit in coord._fuse(ready)]
         local = eng._local
         if units and timeline.active() is not None:  # agreed: QUEUE from here
@@ -199,6 +215,7 @@ class ShmAgreement:
             for cid, req in list(self.bit_pending.items()):  # completed or failed above
                 if local.get(req.name) is not req:
                     del self.bit_pending[cid]
+            self.native.publish_queued(len(self.bit_pending))
 
     def close(self, reason: str) -> None:
         """Release peers that wait in a cycle for this rank, then unmap the segment."""

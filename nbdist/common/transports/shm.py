@@ -63,7 +63,8 @@ class ShmTransport(Transport):
 
     def __init__(self, local_comm, global_rank: int, timeout_s: float = 0.0,
                  should_stop: Callable[[], str | None] | None = None,
-                 slot_bytes: int | None = None, nsets: int | None = None):
+                 slot_bytes: int | None = None, nsets: int | None = None,
+                 single_copy: bool = True):
         native = native_module()
         if native is None:
             raise RuntimeError("the shm transport needs nbdist._native (the native module is not built)")
@@ -86,7 +87,7 @@ class ShmTransport(Transport):
         self._native.set_tuning(spin, yields, _env_int("NBDIST_SHM_SMALL_BYTES", 64 * 1024),
                                 _env_int("NBDIST_SHM_STREAM_BYTES", 0))
         cma_bytes = _env_int("NBDIST_SHM_CMA_BYTES", 256 * 1024)
-        if cma_bytes and self._cma_works():
+        if single_copy and cma_bytes and self._cma_works():
             self._native.set_cma_bytes(cma_bytes)
 
     def _cma_works(self) -> bool:
