@@ -45,19 +45,24 @@ def main(argv=None) -> int:
         from nbdist.common import engine as engine_mod
 
         profiler = cProfile.Profile()
-        original_run = engine_mod.Engine._run
 
-        def profiled_run(self):
-            if self.rank == 0:
-                profiler.runcall(original_run, self)
-            else:
-                original_run(self)
+        def profiled(original):
+            def run(self):
+                if self.rank == 0:
+                    profiler.runcall(original, self)
+                else:
+                    original(self)
+            return run
 
-        engine_mod.Engine._run = profiled_run
+        # the MPI coordinator's loop, and the shared-memory agreement's
+        engine_mod.Engine._run = profiled(engine_mod.Engine._run)
+        engine_mod.Engine._run_shm = profiled(engine_mod.Engine._run_shm)
 
     import nbdist.common as nb
     from mpi4py import MPI
     from nbdist.common import engine as engine_mod
+
+    from nbdist.common import agreement as agreement_mod
 
     cycles = [0]  # the engine thread's passes (wake-ups), to see polling apart from noise
     original_cycle = engine_mod.Engine._cycle
@@ -67,6 +72,13 @@ def main(argv=None) -> int:
         return original_cycle(self, new, control)
 
     engine_mod.Engine._cycle = counted_cycle
+    original_shm_cycle = agreement_mod.ShmAgreement.cycle
+
+    def counted_shm_cycle(self, items):  # the shm agreement: one pass = one cycle
+        cycles[0] += 1
+        return original_shm_cycle(self, items)
+
+    agreement_mod.ShmAgreement.cycle = counted_shm_cycle
 
     nb.init()
     comm = MPI.COMM_WORLD
