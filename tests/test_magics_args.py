@@ -59,7 +59,9 @@ def test_parse_timeout_and_env():
     assert magics.parse_env(["A=1", "B_C=x=y"]) == {"A": "1", "B_C": "x=y"}
     with pytest.raises(UsageError, match="K=V"):
         magics.parse_env(["novalue"])
-    assert magics.parse_hosts(["a,b", "c"]) == ["a", "b", "c"]
+    assert magics.parse_hosts(["a,b", "c:2"]) == ["a:1", "b:1", "c:2"]
+    with pytest.raises(UsageError, match="slots"):
+        magics.parse_hosts(["a:0"])
 
 
 @pytest.mark.parametrize("line", ["-n 0", "-n -1", "-n abc", "-n 100000", "--bogus", "-n 2 --output maybe",

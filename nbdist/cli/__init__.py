@@ -18,6 +18,10 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("-n", "--np", dest="n", type=int, default=1, help="number of ranks (default 1)")
     run.add_argument("--timeout", type=float, default=None, help="fail the run after this many seconds")
     run.add_argument("--env", action="append", default=[], metavar="K=V", help="set K=V on every rank")
+    run.add_argument("-H", "--hosts", default=None, metavar="HOST:SLOTS,...",
+                     help="run across hosts, as horovodrun -H: h1:2,h2:2 (one MPI world over ssh)")
+    run.add_argument("--launcher", choices=["local", "ssh", "slurm"], default=None,
+                     help="local (default), ssh (with --hosts), slurm (inside salloc/sbatch, or asks salloc)")
     run.add_argument("script", help="the Python script to run on every rank")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
 
@@ -39,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run":
         from .run import run_script
 
-        return run_script(args.script, args.args, n=args.n, timeout=args.timeout, env=args.env)
+        return run_script(args.script, args.args, n=args.n, timeout=args.timeout, env=args.env,
+                          hosts=args.hosts, launcher=args.launcher)
     if args.command == "bench":
         from .bench import main as bench_main
 

@@ -8,6 +8,7 @@ others summarised, a dead rank named with its exit status, and a nonzero exit st
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -18,6 +19,8 @@ import time
 from pathlib import Path
 
 from ..failure import FailureReport, RankError, blame, died_headline, primary_cause, raised_headline, rank_ranges
+from ..mpi.hosts import (HostsError, LinkWatch, banner_deaths, check_slots, hydra_ssh_args,
+                         in_slurm_allocation, lost_host_line, parse_hosts, placement, remote_death_line)
 from ..mpi.hydra import decode_wait_status, mpiexec_path, parse_exit_codes
 from ..mpi.reaper import remove_orphan_segments
 from ..wire import REPORT_DIR_ENV, read_error_records
@@ -29,7 +32,10 @@ PUMP_EXTRA_WAIT_S = 10.0  # more, only while its exit-code report is still missi
 
 # hydra's own lines, which we replace by our summary.
 _HYDRA_NOISE = ("=====", "=   ", "YOUR APPLICATION TERMINATED", "This typically refers to a problem",
-                "Please see the FAQ page", "[mpiexec@")
+                "Please see the FAQ page", "[mpiexec@", "[proxy:")
+
+
+_REPORT_LINE = re.compile(r"^\[[^\]]+\] [0-9,]+\s*$")
 
 
 def _env_dict(env) -> dict[str, str]:
@@ -49,23 +55,44 @@ def _env_dict(env) -> dict[str, str]:
 def _pump(stream, sink, captured: list[str]) -> None:
     """Forward rank output line by line; keep hydra's report for parsing instead of printing it."""
     blank = []  # blank lines are held back: hydra's banner starts with some
+    in_report = False  # inside hydra's exit-code report (one "[host] codes" line per host)
     for line in iter(stream.readline, ""):
         captured.append(line)
         if not line.strip():
             blank.append(line)
             continue
-        if line.startswith(_HYDRA_NOISE):
+        if line.startswith(_HYDRA_NOISE) or (in_report and _REPORT_LINE.match(line)):
+            in_report = in_report or "Exit codes:" in line
             blank.clear()
             continue
+        in_report = False
         sink.write("".join(blank) + line)
         blank.clear()
         sink.flush()
 
 
 def run_script(script: str, args: list[str] | None = None, n: int = 1, timeout: float | None = None,
-               env=None) -> int:
-    """Run script on n ranks under mpiexec; print a failure report; return the exit status."""
+               env=None, hosts=None, launcher: str | None = None) -> int:
+    """Run script on n ranks under mpiexec; print a failure report; return the exit status.
+
+    hosts ('h1:2,h2:2', as horovodrun -H) runs one MPI world across them through hydra's
+    ssh bootstrap; launcher 'slurm' runs inside the current allocation, or asks for one
+    with salloc.
+    """
     args = list(args or [])
+    launcher = launcher or ("ssh" if hosts else "local")
+    try:
+        slots = parse_hosts(hosts or [])
+        if slots:
+            check_slots(n, slots)
+        if launcher == "ssh" and not slots:
+            raise HostsError("--launcher ssh needs --hosts, e.g. --hosts h1:2,h2:2")
+        if launcher == "slurm" and slots:
+            raise HostsError("--launcher slurm takes its hosts from Slurm; drop --hosts")
+        spread = hydra_ssh_args(slots) if slots else []
+    except HostsError as exc:
+        print(f"nbdist run: {exc}", file=sys.stderr)
+        return 2
     if n < 1:
         print(f"nbdist run: -n must be at least 1, got {n}", file=sys.stderr)
         return 2
@@ -77,9 +104,19 @@ def run_script(script: str, args: list[str] | None = None, n: int = 1, timeout: 
     except ValueError as exc:
         print(f"nbdist run: {exc}", file=sys.stderr)
         return 2
-    report_dir = tempfile.mkdtemp(prefix="nbdist-run-")
+    # Ranks on other hosts write their error records here too: with hosts, in the working
+    # directory (hydra starts every rank there; a cluster shares it), not this machine's /tmp.
+    report_dir = tempfile.mkdtemp(prefix=".nbdist-run-", dir=os.getcwd() if slots else None)
     run_env = {**os.environ, **extra, REPORT_DIR_ENV: report_dir}
-    cmd = [mpiexec_path(), "-print-all-exitcodes", "-n", str(n)]
+    cmd = [mpiexec_path(), "-print-all-exitcodes", "-n", str(n), *spread]
+    if launcher == "slurm" and not in_slurm_allocation():
+        if shutil.which("salloc") is None:
+            print("nbdist run: --launcher slurm needs Slurm's salloc (or run inside salloc/sbatch)",
+                  file=sys.stderr)
+            shutil.rmtree(report_dir, ignore_errors=True)
+            return 2
+        # an allocation of n tasks; inside it hydra starts its proxies with srun
+        cmd = ["salloc", "--quiet", "-n", str(n), "--job-name=nbdist-run", *cmd]
     if n > 1:
         cmd.append("-prepend-rank")
     cmd += [sys.executable, "-m", "nbdist.rank.batch", script, *args]
@@ -90,11 +127,28 @@ def run_script(script: str, args: list[str] | None = None, n: int = 1, timeout: 
     pump = threading.Thread(target=_pump, args=(proc.stdout, sys.stdout, captured), daemon=True)
     pump.start()
     timed_out = interrupted = False
+    watch = LinkWatch(proc.pid, [h for h, _ in slots]) if slots else None
+    lost: list[str] = []
+    deadline = None if timeout is None else time.monotonic() + timeout
     try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        _stop(proc)
+        while True:
+            step = 0.5 if watch is not None else None  # how often to look at the ssh links
+            if deadline is not None:
+                left = max(0.0, deadline - time.monotonic())
+                step = left if step is None else min(step, left)
+            try:
+                proc.wait(timeout=step)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if deadline is not None and time.monotonic() >= deadline:
+                timed_out = True
+                _stop(proc)
+                break
+            lost = watch.lost() if watch is not None else []
+            if lost:  # a host's ssh link ended while mpiexec runs: its ranks are gone
+                _stop(proc)
+                break
     except KeyboardInterrupt:
         interrupted = True
         _stop(proc)
@@ -106,7 +160,7 @@ def run_script(script: str, args: list[str] | None = None, n: int = 1, timeout: 
     remove_orphan_segments(started)
     try:
         return _summarise(proc.returncode, "".join(captured), report_dir, n, timeout, timed_out,
-                          interrupted, started)
+                          interrupted, started, slots, lost)
     finally:
         shutil.rmtree(report_dir, ignore_errors=True)
 
@@ -136,8 +190,8 @@ def _read_reports(report_dir: str, interrupted_by_us: bool) -> list[RankError]:
 
 
 def _summarise(rc: int, output: str, report_dir: str, n: int, timeout, timed_out: bool,
-               interrupted: bool, started: float) -> int:
-    errors = _read_reports(report_dir, interrupted_by_us=timed_out or interrupted)
+               interrupted: bool, started: float, slots=(), lost=()) -> int:
+    errors = _read_reports(report_dir, interrupted_by_us=timed_out or interrupted or bool(lost))
     statuses = parse_exit_codes(output)
     reported = {e.rank for e in errors}
     primary = primary_cause(errors)
@@ -150,6 +204,10 @@ def _summarise(rc: int, output: str, report_dir: str, n: int, timeout, timed_out
     elif interrupted:
         headline = "interrupted: every rank was stopped"
         code = 130
+    elif lost:  # we stopped the ranks: their errors are follow-ons of the lost host
+        where = placement(list(slots), n)
+        headline = "; ".join(lost_host_line(h, where.get(h, [])) for h in lost)
+        code, primary, others = 255, None, []
     elif primary is not None:
         headline = raised_headline(primary)
         code = 1
@@ -158,6 +216,13 @@ def _summarise(rc: int, output: str, report_dir: str, n: int, timeout, timed_out
         first_status = dead[min(dead)]
         code = 128 + (first_status & 0x7F) if first_status & 0x7F else (first_status >> 8) or 1
         dead = {}
+    elif slots and banner_deaths(output):
+        # across hosts hydra prints no exit-code report for a death: its banner names the host
+        where = placement(list(slots), n)
+        headline = "; ".join(remote_death_line(h, c, where[h][0] if len(where.get(h, [])) == 1 else None,
+                                               where.get(h, []))
+                             for h, c in banner_deaths(output))
+        code = rc or 1
     elif errors:
         headline = "every failing rank failed with follow-on errors only"
         code = rc or 1

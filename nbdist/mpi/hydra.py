@@ -42,20 +42,23 @@ def decode_wait_status(status: int) -> str:
     return f"exit status {status >> 8}"
 
 
-_EXIT_CODES_RE = re.compile(r"Exit codes: \[(?P<host>[^\]]+)\] (?P<codes>[0-9,]+)")
+# "[mpiexec@x] Exit codes: [h1] 0,0" and, with several hosts, one more line per host: "[h2] 0,9"
+_EXIT_CODES_RE = re.compile(r"Exit codes: (?P<block>\[[^\]]+\] [0-9,]+(?:\n\[[^\]]+\] [0-9,]+)*)")
+_HOST_CODES_RE = re.compile(r"\[(?P<host>[^\]]+)\] (?P<codes>[0-9,]+)")
 
 
 def parse_exit_codes(output: str, ranks_by_host: dict[str, list[int]] | None = None) -> dict[int, int]:
     """Per-rank wait statuses from `mpiexec -print-all-exitcodes` output (ranks in order per host)."""
     result: dict[int, int] = {}
     next_rank = 0
-    for match in _EXIT_CODES_RE.finditer(output):
-        codes = [int(c) for c in match.group("codes").split(",") if c]
-        host = match.group("host")
-        ranks = (ranks_by_host or {}).get(host) or list(range(next_rank, next_rank + len(codes)))
-        for rank, code in zip(ranks, codes):
-            result[rank] = code
-        next_rank += len(codes)
+    for block in _EXIT_CODES_RE.finditer(output):
+        for match in _HOST_CODES_RE.finditer(block.group("block")):
+            codes = [int(c) for c in match.group("codes").split(",") if c]
+            host = match.group("host")
+            ranks = (ranks_by_host or {}).get(host) or list(range(next_rank, next_rank + len(codes)))
+            for rank, code in zip(ranks, codes):
+                result[rank] = code
+            next_rank += len(codes)
     return result
 
 

@@ -24,6 +24,7 @@ POLL_S = 0.1
 ERROR_GRACE_S = 1.0
 INTERRUPT_GRACE_S = 5.0
 OUTPUT_WAIT_S = 2.0
+REMOTE_DEATH_WAIT_S = 0.5  # hydra writes no report for a remote death; a lost host's mpiexec runs on
 DEATH_WAIT_S = 15.0  # mpiexec needs a moment to collect every rank's exit status
 SEEN_DEATH_WAIT_S = 5.0  # ... unless the cluster's death watch already read the cause's status
 FINISHING_GRACE_S = 4.0  # a failed rank's abort may take the runtime's own wait
@@ -273,14 +274,20 @@ def _restart(cluster) -> None:
 
 def _death_report(cluster, ranks: list[int], errors) -> FailureReport:
     """Who died and how (hydra's exit codes), then restart the cluster cleanly."""
+    # Across hosts hydra names only the host of a dead rank (its banner, no exit report), and
+    # a lost host leaves mpiexec running: waiting for the report would only delay the cell.
+    remote = cluster.host_failures()
     seen = cluster.first_dead_statuses()  # the first death, read from /proc at once
     # hydra's report still tells how the others ended; with the cause known, wait less for it
-    statuses = cluster.exit_statuses(wait_s=SEEN_DEATH_WAIT_S if seen else DEATH_WAIT_S)
+    statuses = cluster.exit_statuses(
+        wait_s=REMOTE_DEATH_WAIT_S if remote else SEEN_DEATH_WAIT_S if seen else DEATH_WAIT_S)
     if len(statuses) < len(seen) or not statuses:
         statuses = {**statuses, **seen}
     dead = blame(statuses, set(seen) or cluster.first_dead())
     if dead:
         who = died_headline({r: decode_wait_status(s) for r, s in dead.items()})
+    elif remote:
+        who = "; ".join(remote)
     else:
         # mpiexec did not report in time: every engine is gone, but which one went first is unknown
         who = "a rank died and MPI stopped the others (mpiexec reported no exit statuses in time)"

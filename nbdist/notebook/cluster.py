@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -25,8 +26,12 @@ import psutil
 from ..common.config import KERNEL_PID_ENV
 from ..mpi import reaper
 from ..mpi.deaths import DeathWatch
+from ..mpi.hosts import (HostsError, address_toward, banner_deaths, check_slots, hosts_arg,
+                         in_slurm_allocation, lost_host_line, lost_hosts_in, parse_hosts, placement,
+                         remote_death_line, ssh_hostname, LinkWatch)
 from ..mpi.hydra import MpiexecNotFound, culprits, decode_wait_status, mpiexec_path, parse_exit_codes, venv_bin  # noqa: F401
 
+LAUNCHERS = ("local", "mpi", "slurm", "ssh")
 MAX_RANKS = 1024  # far beyond one notebook's reach; an absurd -n fails before anything starts
 START_TIMEOUT_S = 120
 EXIT_REPORT_GRACE_S = 5.0  # after mpiexec exited, how long its exit-code report may take to show
@@ -69,6 +74,9 @@ class DistCluster:
         self._output_handles: list = []
         self._atexit_registered = False
         self._death_watch: DeathWatch | None = None
+        self._links: LinkWatch | None = None  # hydra's ssh links to the hosts (several hosts only)
+        self._lost_hosts: list[str] = []  # hosts whose ssh link ended while mpiexec still ran
+        self._addresses: dict[str, str] = {}  # host -> the address ssh connects to
         self.last_start_s: float | None = None
 
     # ---- state -----------------------------------------------------------------------------
@@ -107,6 +115,12 @@ class DistCluster:
                 if not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE:
                     return False
             except psutil.Error:
+                return False
+        if self._links is not None:
+            # mpiexec runs (checked above), but a host's ssh link ended: ssh was killed, or
+            # the host or the network went away. Its ranks are out of reach.
+            self._lost_hosts = self._links.lost()
+            if self._lost_hosts:
                 return False
         return len(self.client.ids) >= (self.n or 0)
 
@@ -159,13 +173,19 @@ class DistCluster:
         self.start(n, launcher, hosts, env)
         return "started"
 
-    def _config(self, launcher: str, hosts: list[str]):
+    def _config(self, launcher: str, hosts: list[str], n: int, address: str):
         from traitlets.config import Config
 
         cfg = Config()
         mpi_args = ["-print-all-exitcodes"]
         if hosts:
-            mpi_args += ["-hosts", ",".join(hosts)]
+            try:
+                slots = parse_hosts(hosts)
+                check_slots(n, slots)
+            except HostsError as exc:
+                raise ClusterError(str(exc)) from None
+            # One world across the hosts: hydra's ssh bootstrap; proxies call back to `address`.
+            mpi_args += ["-launcher", "ssh", "-hosts", hosts_arg(slots), "-localhost", address]
         try:
             cfg.MPILauncher.mpi_cmd = [mpiexec_path()]
         except MpiexecNotFound as exc:
@@ -173,9 +193,29 @@ class DistCluster:
         cfg.MPIEngineSetLauncher.mpi_args = mpi_args
         # A kill must not leave a half-dead cluster behind for long.
         cfg.LocalProcessLauncher.stop_seconds_until_kill = 3
-        if launcher == "ssh":
-            cfg.SSHEngineSetLauncher.engines = {h: 1 for h in hosts} if hosts else {}
+        if launcher == "slurm":
+            # ipyparallel's sbatch job; inside it one mpiexec makes the world (hydra starts
+            # its proxies with srun on the allocation's nodes), so exit codes read as locally.
+            cfg.SlurmEngineSetLauncher.batch_template = (
+                "#!/bin/sh\n#SBATCH --export=ALL\n#SBATCH --job-name=nbdist-engines-{cluster_id}\n"
+                "#SBATCH --ntasks={n}\n#SBATCH --output={output_file}\n"
+                f"{shlex.quote(mpiexec_path())} -print-all-exitcodes -n {{n}} {{program_and_args}}\n")
+            # the job script and its output go to the private profile, not the notebook's folder
+            cfg.SlurmEngineSetLauncher.batch_file_name = os.path.join(self._profile_dir or ".", "slurm_engine.sbatch")
         return cfg
+
+    def _engines_kind(self, launcher: str, hosts: list[str]) -> str:
+        """ipyparallel's engine launcher for ours: mpi (one mpiexec) everywhere but a new Slurm job."""
+        if launcher not in LAUNCHERS:
+            raise ClusterError(f"unknown launcher {launcher!r}: choose {', '.join(LAUNCHERS)}")
+        if launcher == "ssh" and not hosts:
+            raise ClusterError("--launcher ssh needs --hosts, e.g. --hosts h1:2,h2:2")
+        if launcher == "slurm":
+            if hosts:
+                raise ClusterError("--launcher slurm takes its hosts from Slurm; drop --hosts")
+            # Already inside salloc/sbatch: mpiexec spreads over the allocation by itself.
+            return "mpi" if in_slurm_allocation() else "slurm"
+        return "mpi"
 
     def start(self, n: int, launcher: str = "local", hosts: list[str] | None = None,
               env: dict[str, str] | None = None) -> None:
@@ -186,19 +226,28 @@ class DistCluster:
             raise ClusterError(f"-n must be between 1 and {MAX_RANKS}, got {n!r}")
         hosts = list(hosts or [])
         env = dict(env or {})
-        engines = {"local": "mpi", "mpi": "mpi", "slurm": "slurm", "ssh": "ssh"}.get(launcher)
-        if engines is None:
-            raise ClusterError(f"unknown launcher {launcher!r}: choose local, mpi, slurm or ssh")
+        engines = self._engines_kind(launcher, hosts)
+        address = ""
+        kwargs = {}
+        if hosts:
+            try:
+                address = address_toward([h for h, _ in parse_hosts(hosts)])
+            except HostsError as exc:
+                raise ClusterError(str(exc)) from None
+            # The controller listens where the hosts reach this machine, and says so in its
+            # connection file, so remote engines connect back to a reachable address.
+            kwargs["controller_ip"] = address
+            kwargs["controller_location"] = address
+        elif launcher == "slurm":
+            kwargs["controller_ip"] = "*"  # engines on the allocation's nodes must reach the controller
         t0 = time.monotonic()
         self._started_at = time.time()
         self._profile_dir = tempfile.mkdtemp(prefix="nbdist-ipp-")  # 0700: connection files stay private
+        config = self._config(launcher, hosts, n, address)
         engine_env = {KERNEL_PID_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1",
                       "PATH": f"{venv_bin()}{os.pathsep}{os.environ.get('PATH', '')}", **env}
-        kwargs = {}
-        if hosts or launcher in ("slurm", "ssh"):
-            kwargs["controller_ip"] = "*"  # engines on other hosts must reach the controller
         self.cluster = ipp.Cluster(engines=engines, n=n, profile_dir=self._profile_dir,
-                                   config=self._config(launcher, hosts), delay=0,
+                                   config=config, delay=0,
                                    engine_timeout=START_TIMEOUT_S, log_level=40, **kwargs)
         self.n, self.launcher, self.hosts, self.env = n, launcher, hosts, env
         self._register_exit_hooks()
@@ -212,6 +261,10 @@ class DistCluster:
             self.view = self.client[:]
             self.view.block = False
             self._bootstrap()
+            if hosts:
+                names = [h for h, _ in parse_hosts(hosts)]
+                self._links = LinkWatch(self._mpiexec_procs()[0].pid, names)
+                self._addresses = {h: ssh_hostname(h) for h in names}
         except BaseException:
             self.stop(quiet=True)
             raise
@@ -358,6 +411,42 @@ class DistCluster:
             else:
                 time.sleep(min(0.1, max(0.0, deadline - now)))
 
+    def ranks_on(self, host: str) -> list[int]:
+        """The ranks hydra placed on `host` of --hosts."""
+        where = placement(parse_hosts(self.hosts), self.n or 0)
+        return where.get(host) or sorted(r for r, info in self.ranks.items() if info.host == host)
+
+    def host_failures(self, wait_s: float = 5.0) -> list[str]:
+        """host_failures_now(), waiting (at most wait_s) for mpiexec to write its banner."""
+        deadline = time.monotonic() + wait_s
+        exited_at = None
+        while True:
+            lines = self.host_failures_now()
+            now = time.monotonic()
+            if exited_at is None and self._mpiexec_exited():
+                exited_at = now
+            if lines or not self.hosts or now >= deadline or (exited_at is not None and now - exited_at > 1.0):
+                return lines
+            time.sleep(0.1)
+
+    def host_failures_now(self) -> list[str]:
+        """Failures on other hosts, one line each: hosts whose ssh link ended, and ranks that hydra's
+        termination banner names (it prints no per-rank exit report when a remote rank dies)."""
+        lines: list[str] = []
+        if not self.hosts:
+            return lines  # one host: mpiexec's exit-code report says it all
+        output = self.engine_output()
+        lost = list(self._lost_hosts) + [h for h in lost_hosts_in(output, self._addresses)
+                                         if h not in self._lost_hosts]
+        for host in lost:
+            lines.append(lost_host_line(host, self.ranks_on(host)))
+        for host, code in banner_deaths(output):
+            if host in lost:
+                continue
+            there = self.ranks_on(host)
+            lines.append(remote_death_line(host, code, there[0] if len(there) == 1 else None, there))
+        return lines
+
     def stop(self, quiet: bool = False) -> bool:
         """Stop engines and controller, kill leftovers, remove segments and files. True if one ran."""
         if self.cluster is None:
@@ -405,6 +494,7 @@ class DistCluster:
         if self._death_watch is not None:
             self._death_watch.stop()
             self._death_watch = None
+        self._links, self._lost_hosts, self._addresses = None, [], {}
         return True
 
     def restart(self) -> None:

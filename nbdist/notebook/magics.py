@@ -19,10 +19,11 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from . import cell as cell_mod
 from . import display
-from .cluster import MAX_RANKS, ClusterError, DistCluster
+from ..mpi.hosts import HostsError
+from ..mpi.hosts import parse_hosts as parse_host_slots
+from .cluster import LAUNCHERS, MAX_RANKS, ClusterError, DistCluster
 
 DEFAULT_N = 2
-LAUNCHERS = ("local", "mpi", "slurm", "ssh")
 # Oversubscribing one machine past this many ranks per core only makes everything crawl.
 MAX_LOCAL_RANKS_PER_CORE = 16
 
@@ -99,10 +100,22 @@ def parse_env(items: list[str] | None) -> dict[str, str]:
 
 
 def parse_hosts(items: list[str] | None) -> list[str]:
-    hosts: list[str] = []
-    for item in items or []:
-        hosts.extend(h for h in item.split(",") if h)
-    return hosts
+    """--hosts h1:2,h2:2 (or h1:2 h2:2; a host without :N has one slot) -> ['h1:2', 'h2:2']."""
+    try:
+        return [f"{h}:{s}" for h, s in parse_host_slots(items or [])]
+    except HostsError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _on_hosts(rows: list[dict]) -> str:
+    """' on h1 (ranks 0-1), h2 (ranks 2-3)' when the ranks span several hosts, else ''."""
+    by_host: dict[str, list[int]] = {}
+    for row in rows:
+        by_host.setdefault(row["host"], []).append(row["rank"])
+    if len(by_host) < 2:
+        return ""
+    return " on " + ", ".join(f"{h} (rank{'s' if len(r) > 1 else ''} {display.rank_ranges(r)})"
+                              for h, r in by_host.items())
 
 
 def run_args(func):
@@ -222,10 +235,12 @@ class DistributedMagics(Magics):
     @magic_arguments()
     @argument("-n", "--np", dest="n", default=None, help="number of MPI ranks")
     @argument("--launcher", default=None, choices=list(LAUNCHERS),
-              help="local (mpiexec on this machine; the default for a first cluster), mpi (mpiexec "
-                   "across --hosts), slurm or ssh (ipyparallel's launchers); default: as the cluster "
-                   "was started")
-    @argument("--hosts", nargs="+", default=None, help="hosts for the mpi/ssh launchers (a,b or a b)")
+              help="local (mpiexec on this machine; the default for a first cluster), ssh (one MPI "
+                   "world across --hosts through hydra's ssh bootstrap; mpi is the same), slurm "
+                   "(ipyparallel's Slurm launcher, or mpiexec inside the current allocation); "
+                   "default: as the cluster was started")
+    @argument("--hosts", nargs="+", default=None,
+              help="host:slots list as horovodrun -H: h1:2,h2:2 (implies --launcher ssh)")
     @argument("--env", nargs="+", default=None, metavar="K=V", help="environment variables for every rank")
     @line_magic
     def dist_start(self, line):
@@ -235,9 +250,10 @@ class DistributedMagics(Magics):
         if n is None:
             raise UsageError("%dist_start needs -n N")
         env, hosts = parse_env(args.env), parse_hosts(args.hosts)
+        launcher = "ssh" if hosts and args.launcher in (None, "local") else args.launcher
         self._claim()
         try:
-            self._ensure(n, args.launcher, hosts, env)
+            self._ensure(n, launcher, hosts, env)
         finally:
             self._busy.release()
 
@@ -264,7 +280,8 @@ class DistributedMagics(Magics):
         busy = self._busy.locked()
         alive = c.is_running()
         rows = c.status_rows(busy_engines=set(c.engine_ids) if busy else None) if alive else []
-        head = (f"{c.n} ranks ({c.launcher} launcher), {'running a cell' if busy else 'idle'}" if alive
+        head = (f"{c.n} ranks ({c.launcher} launcher){_on_hosts(rows)}, "
+                f"{'running a cell' if busy else 'idle'}" if alive
                 else f"the cluster of {c.n} ranks is not running (the next cell restarts it)")
         display.show(display.status_table(rows, head))
 

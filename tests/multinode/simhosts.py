@@ -93,7 +93,7 @@ class SimHosts:
         try:
             self._make_network()
             self._make_ssh()
-            for _i, name in enumerate(self.names):
+            for name in self.names:
                 self._start_sshd(name)
             self._wait_for_sshd()
         except Unavailable:
@@ -228,6 +228,42 @@ class SimHosts:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+    def ssh_clients(self, name: str) -> list[int]:
+        """The ssh processes in this (root) namespace connected to the host through our config."""
+        import psutil
+
+        found = []
+        config = str(self.dir / "ssh_config")
+        for proc in psutil.process_iter(["pid", "cmdline"]):
+            argv = proc.info.get("cmdline") or []
+            if argv and argv[0].endswith("ssh") and config in argv and name in argv:
+                found.append(proc.info["pid"])
+        return found
+
+    def cut_ssh(self, name: str) -> list[int]:
+        """Kill the ssh connections to the host (the link a launcher holds); the pids killed."""
+        pids = self.ssh_clients(name)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return pids
+
+    def root_leftovers(self) -> list[str]:
+        """Processes in the root namespace still tied to these hosts (mpiexec, ssh, controller)."""
+        import psutil
+
+        found = []
+        marks = (str(self.dir), self.controller_address)
+        for proc in psutil.process_iter(["pid", "cmdline"]):
+            cmd = " ".join(proc.info.get("cmdline") or [])
+            if "-D -e -f" in cmd:  # the hosts' own sshd listeners
+                continue
+            if any(m and m in cmd for m in marks) and proc.info["pid"] != os.getpid():
+                found.append(f"{proc.info['pid']}: {cmd[:200]}")
+        return found
 
     def kill_all(self, name: str) -> None:
         """Kill every process in the host's namespace (clean-up)."""
