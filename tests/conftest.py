@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from nbdist.mpi.hydra import mpiexec_path
+
 ROOT = Path(__file__).resolve().parent.parent
-BIN = Path(sys.executable).parent
-MPIEXEC = str(BIN / "mpiexec") if (BIN / "mpiexec").exists() else "mpiexec"
+MPIEXEC = mpiexec_path()  # the one finder: this environment's mpich wheel, else PATH's
 
 # The rank-level test files are collected only inside an mpiexec run.
 collect_ignore_glob = [] if os.environ.get("NBDIST_RANK_TESTS") else ["ranks/*"]

@@ -148,6 +148,7 @@ def run(cluster, code: str, opts: CellOptions):
     t0 = time.monotonic()
     first_error_at = None
     interrupted_at = None
+    signalled: set[int] = set()  # ranks this loop sent SIGINT
     cause = None  # 'error' | 'timeout' | 'interrupt' | 'died' | 'stuck'
     died = False
     try:
@@ -178,9 +179,11 @@ def run(cluster, code: str, opts: CellOptions):
                                if not c.done() and not c.output.metadata.get("error")]
                     if pending:
                         cluster.interrupt(pending)
+                        signalled.update(pending)
                     interrupted_at, cause = now, cause or "error"
                 if interrupted_at is None and opts.timeout and now - t0 > opts.timeout:
                     cluster.interrupt(ranks)
+                    signalled.update(ranks)
                     interrupted_at, cause = now, "timeout"
                 if interrupted_at is not None and now - interrupted_at > INTERRUPT_GRACE_S + (
                         FINISHING_GRACE_S if cause == "error" else 0.0):
@@ -189,6 +192,7 @@ def run(cluster, code: str, opts: CellOptions):
             except KeyboardInterrupt:
                 if cause is None or not cause.startswith("interrupt"):
                     cluster.interrupt(ranks)
+                    signalled.update(ranks)
                     interrupted_at, cause = time.monotonic(), "interrupt"
                 else:  # a second Ctrl-C: stop waiting for the ranks
                     cause = "interrupt+stuck"
@@ -220,9 +224,10 @@ def run(cluster, code: str, opts: CellOptions):
         result = lead_md.get("execute_result")
         return _RankResult(result, ranks[0]) if result else None
 
-    we_interrupted = interrupted_at is not None
     child_of = dict(streamer.children)
-    rank_errors = [_rank_error(r, e, we_interrupted, child_of[r]) for r, e in failed]
+    # A KeyboardInterrupt is a follow-on only on a rank we signalled; raised by the user's
+    # code on a rank nobody interrupted, it is the cause.
+    rank_errors = [_rank_error(r, e, r in signalled, child_of[r]) for r, e in failed]
     primary = primary_cause(rank_errors)
     others = [e for e in rank_errors if e is not primary]
     notes = []
