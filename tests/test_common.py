@@ -30,6 +30,12 @@ def test_process_sets(n):
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("n", RANKS)
+def test_adasum(n):
+    run_rank_tests(n, "common_adasum.py", timeout=200)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("n", RANKS)
 def test_timeline(n):
     run_rank_tests(n, "common_timeline.py", timeout=200)
 

@@ -11,7 +11,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import basics, process_sets
-from .ops_base import ReduceOp, SUPPORTED_DTYPES, dtype_name
+from . import adasum as _adasum
+from .ops_base import BFLOAT16, ReduceOp, SUPPORTED_DTYPES, dtype_name
 from .requests import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN, REDUCESCATTER,
                        GroupHandle, Handle, Request, signature)
 from .negotiation import JOIN_NAME
@@ -113,8 +114,10 @@ def _check_op(op, what: str, dtype: np.dtype) -> ReduceOp:
         raise ValueError(f"{what}: unknown reduction op {op!r}; use Average, Sum, Min, Max "
                          "or Product") from None
     if op == ReduceOp.Adasum:
-        raise NotImplementedError(f"{what}: Adasum is not implemented in nbdist yet; "
-                                  "use Average or Sum")
+        if dtype is not None and np.dtype(dtype).kind != "f" and dtype != BFLOAT16:
+            raise TypeError(f"{what}: Adasum reduces floating-point arrays only, got "
+                            f"{dtype_name(dtype)}")
+        return op
     if dtype == np.bool_:
         raise TypeError(f"{what}: bool arrays cannot be reduced; cast to uint8 (Max = any, "
                         "Min = all)")
@@ -144,12 +147,17 @@ def check_root(root_rank, what: str, set_ranks: list | None = None) -> int:
 _check_root = check_root
 
 
+class _Uncached(str):
+    """A fixed op name whose response is not worth caching (its shape changes each call)."""
+
+
 def _name(name: str | None, kind: str, engine=None) -> tuple[str, bool]:
+    """The op's name, and whether its agreed response may be cached."""
     if name is None:
         return (engine or basics.engine()).auto_name(kind), False
     if not isinstance(name, str) or not name:
         raise TypeError(f"{kind}: name must be a non-empty str, got {name!r}")
-    return name, True
+    return str(name), not isinstance(name, _Uncached)
 
 
 def _submit(kind: str, array, name: str | None, inplace: bool = False, engine=None,
@@ -162,6 +170,52 @@ def _submit(kind: str, array, name: str | None, inplace: bool = False, engine=No
                   handle=Handle(op_name), splits=splits, named=named)
     engine.submit(req)
     return req.handle
+
+
+class DerivedHandle(Handle):
+    """A handle whose result is computed from another op's result (once, when asked)."""
+
+    __slots__ = ("inner", "compute", "_computed")
+
+    def __init__(self, name: str, inner: Handle, compute):
+        super().__init__(name)
+        self.inner, self.compute, self._computed = inner, compute, False
+
+    def done(self) -> bool:
+        return self.inner.done()
+
+    def wait(self, timeout):
+        return self.inner.wait(timeout)
+
+    def result(self):
+        if not self._computed:
+            self._result = self.compute(self.inner.result())
+            self._computed = True
+        return self._result
+
+
+def _adasum_submit(a: np.ndarray, name, engine, prescale: float, postscale: float,
+                   inplace: bool, what: str) -> Handle:
+    """Adasum as an allgather of every rank's (prescaled) tensor, combined on each rank."""
+    size = engine.size
+    if not _adasum.is_power_of_two(size):
+        raise ValueError(f"{what} on rank {basics.rank()}: op=Adasum needs a power-of-2 "
+                         f"number of ranks, this job has {size}")
+    flat = a.reshape(1, -1).astype(np.float64) * prescale
+    op_name = None if name is None else f"{name}.adasum"
+    inner = _submit(ALLGATHER, flat, op_name, engine=engine)
+
+    def compute(gathered):
+        out = _adasum.reduce_tree(list(gathered.reshape(size, -1)))
+        if postscale != 1.0:
+            out *= postscale
+        out = out.astype(a.dtype).reshape(a.shape)
+        if inplace:
+            a[...] = out
+            return a
+        return out
+
+    return DerivedHandle(inner.name, inner, compute)
 
 
 # -- waiting --------------------------------------------------------------------------------
@@ -198,6 +252,9 @@ def allreduce_async(array, op=ReduceOp.Average, name: str | None = None,
     engine, _ = process_sets.resolve(process_set, "allreduce")
     a = as_array(array, "allreduce")
     op = _check_op(op, "allreduce", a.dtype)
+    if op == ReduceOp.Adasum:
+        return _adasum_submit(a, name, engine, prescale_factor, postscale_factor, False,
+                              "allreduce")
     return _submit(ALLREDUCE, a, name, engine=engine, op=op, prescale=prescale_factor,
                    postscale=postscale_factor)
 
@@ -208,11 +265,16 @@ def allreduce_async_(array, op=ReduceOp.Average, name: str | None = None,
     """Start an allreduce that writes its result into `array` (a GPU array goes through NCCL)."""
     engine, _ = process_sets.resolve(process_set, "allreduce_")
     if _device_of(array) != "cpu":
+        if op == ReduceOp.Adasum:
+            raise NotImplementedError("allreduce_: op=Adasum runs on CPU arrays only in nbdist")
         return _submit_gpu(ALLREDUCE, array, name, "allreduce_", engine=engine,
                            op=_check_op(op, "allreduce_", None), prescale=prescale_factor,  # type: ignore[arg-type]
                            postscale=postscale_factor)
     a = as_array(array, "allreduce_", inplace=True)
     op = _check_op(op, "allreduce_", a.dtype)
+    if op == ReduceOp.Adasum:
+        return _adasum_submit(a, name, engine, prescale_factor, postscale_factor, True,
+                              "allreduce_")
     return _submit(ALLREDUCE, a, name, inplace=True, engine=engine, op=op,
                    prescale=prescale_factor, postscale=postscale_factor)
 
@@ -356,6 +418,8 @@ def reducescatter_async(array, op=ReduceOp.Average, name: str | None = None,
     if a.ndim == 0:
         raise ValueError("reducescatter needs an array with at least one dimension")
     op = _check_op(op, "reducescatter", a.dtype)
+    if op == ReduceOp.Adasum:
+        raise NotImplementedError("reducescatter does not support op=Adasum (nor does Horovod)")
     return _submit(REDUCESCATTER, a, name, engine=engine, op=op, prescale=prescale_factor,
                    postscale=postscale_factor)
 
@@ -413,7 +477,9 @@ def broadcast_object(obj, root_rank: int = 0, name: str | None = None, process_s
     size = broadcast(np.array([payload.size], np.int64), root_rank, name=f"{base}.size",
                      process_set=process_set)
     data = payload if is_root else np.empty(int(size[0]), np.uint8)
-    received = broadcast(data, root_rank, name=f"{base}.data", process_set=process_set)
+    # the payload's size differs per call: caching its response would only fill the cache
+    received = broadcast(data, root_rank, name=_Uncached(f"{base}.data"),
+                         process_set=process_set)
     return obj if is_root else _unpickle(received)
 
 
@@ -423,7 +489,7 @@ def allgather_object(obj, name: str | None = None, process_set=None) -> list:
     payload = _pickle(obj)
     sizes = allgather(np.array([payload.size], np.int64), name=f"{base}.sizes",
                       process_set=process_set)
-    data = allgather(payload, name=f"{base}.data", process_set=process_set)
+    data = allgather(payload, name=_Uncached(f"{base}.data"), process_set=process_set)
     offsets = np.concatenate([[0], np.cumsum(sizes)])
     return [_unpickle(data[offsets[i]:offsets[i + 1]]) for i in range(len(sizes))]
 

@@ -21,10 +21,6 @@ from .compression import Compression
 from .process_sets import check_process_set, global_process_set
 
 
-_ADASUM_MESSAGE = ("op=Adasum is not implemented in nbdist yet; use op=hvd.Average "
-                   "(the default) or op=hvd.Sum")
-
-
 class Handle:
     """An in-flight torch collective: pass it to poll() or synchronize().
 
@@ -96,8 +92,6 @@ def _reduce_op(op, average, what: str) -> ReduceOp:
     except (TypeError, ValueError):
         raise ValueError(f"{what}: unknown reduction op {op!r}; use hvd.Average, hvd.Sum, "
                          "hvd.Min, hvd.Max or hvd.Product") from None
-    if op == Adasum:
-        raise NotImplementedError(f"{what}: {_ADASUM_MESSAGE}")
     return op
 
 

@@ -58,6 +58,7 @@ class _DistributedMixin:
                       process_set=global_process_set):
         self._compression = compression
         self._process_set = process_set
+        self._densified: set = set()  # sparse gradients reduced dense this step
         self.backward_passes_per_step = int(backward_passes_per_step)
         if self.backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
@@ -195,7 +196,10 @@ class _DistributedMixin:
             # This rank did not use p, but others may have: it still contributes (zeros).
             p.grad = torch.zeros_like(p, memory_format=torch.preserve_format)
         elif p.grad.is_sparse:
+            # sparse_as_dense: reduced dense, handed back sparse (an optimizer such as
+            # SparseAdam accepts only sparse gradients), as Horovod does
             p.grad = p.grad.to_dense()
+            self._densified.add(p)
         return p.grad
 
     def _submit(self, p) -> None:
@@ -258,6 +262,10 @@ class _DistributedMixin:
             except BaseException as exc:  # noqa: BLE001 - re-raised below
                 error = error or exc
         self._reset_accumulation()
+        densified, self._densified = self._densified, set()
+        if error is None:
+            for p in densified:
+                p.grad = p.grad.to_sparse()
         if error is not None:
             raise error
         self._synchronized = True
@@ -354,14 +362,22 @@ def _distributed_class(base: type) -> type:
     return cls
 
 
+def _has_sparse_params(optimizer) -> bool:
+    """Whether any parameter is fed by a sparse gradient (known only once one exists)."""
+    return any(p.grad is not None and p.grad.is_sparse
+               for g in optimizer.param_groups for p in g["params"])
+
+
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
                          backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
                          num_groups=0, groups=None, sparse_as_dense=False,
                          process_set=global_process_set):
     """Wrap a torch.optim optimizer so that step() uses gradients averaged over all ranks.
 
-    Horovod's signature and behaviour; `op=Adasum` is not implemented. `groups` (an int,
-    or a list of lists of parameters) allreduces each group as one fused op.
+    Horovod's signature and behaviour. `op=Adasum` combines the ranks' gradients with
+    Adasum (CPU, power-of-2 ranks; see nbdist/common/adasum.py); Horovod applies Adasum
+    to each rank's parameter update instead, the same for plain SGD. `groups` (an int, or
+    a list of lists of parameters) allreduces each group as one fused op.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer expects a torch.optim.Optimizer, got "
@@ -370,9 +386,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         raise ValueError("this optimizer is already a DistributedOptimizer")
     if process_set is not None and process_set.included():
         check_process_set(process_set, "DistributedOptimizer")
-    if op == Adasum:
-        raise NotImplementedError("DistributedOptimizer(op=Adasum) is not implemented in nbdist "
-                                  "yet; use op=hvd.Average (the default)")
+    if op == Adasum and sparse_as_dense is False and _has_sparse_params(optimizer):
+        raise NotImplementedError("DistributedOptimizer(op=Adasum) does not reduce sparse "
+                                  "gradients; pass sparse_as_dense=True")
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     if num_groups:

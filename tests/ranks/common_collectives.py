@@ -327,8 +327,8 @@ def test_bad_input_inplace_and_args():
         hvd.broadcast(np.ones(2), root_rank=SIZE, name="bad.root")
     with pytest.raises(ValueError, match="splits"):
         hvd.alltoall(np.ones(5), splits=[5] + [1] * (SIZE - 1), name="bad.splits")
-    with pytest.raises(NotImplementedError, match="Adasum"):
-        hvd.allreduce(np.ones(2), op=hvd.Adasum, name="bad.adasum")
+    with pytest.raises(TypeError, match="Adasum reduces floating-point"):
+        hvd.allreduce(np.ones(2, np.int64), op=hvd.Adasum, name="bad.adasum")
     with pytest.raises(TypeError, match="bool"):
         hvd.allreduce(np.ones(2, bool), name="bad.bool")
     works("args")

@@ -220,3 +220,21 @@ def test_distributed_optimizer_on_a_process_set():
             assert all(weights[r] == weights[0] for r in even.ranks)
     finally:
         hvd.remove_process_set(even)
+
+
+def test_sparse_as_dense_hands_sparse_gradients_back():
+    """SparseAdam takes only sparse gradients: sparse_as_dense reduces dense, returns sparse."""
+    for sparse_as_dense in (False, True):
+        torch.manual_seed(0)
+        embedding = torch.nn.Embedding(10, 3, sparse=True)
+        hvd.broadcast_parameters(embedding.state_dict(), root_rank=0)
+        opt = hvd.DistributedOptimizer(torch.optim.SparseAdam(list(embedding.parameters()), lr=0.1),
+                                       named_parameters=embedding.named_parameters(),
+                                       sparse_as_dense=sparse_as_dense)
+        rows = torch.tensor([[1, 2, 4]]) if R() == 0 else torch.tensor([[4, 7]])
+        embedding(rows).sum().backward()
+        opt.step()
+        assert embedding.weight.grad.is_sparse
+        weights = hvd.allgather_object(embedding.weight.detach().tolist())
+        assert all(w == weights[0] for w in weights)
+        opt.remove_hooks()

@@ -369,8 +369,8 @@ def test_bad_inputs_fail_before_sending():
         hvd.allreduce([1.0, 2.0])
     with pytest.raises(TypeError, match="complex"):
         hvd.allreduce(torch.ones(2, dtype=torch.complex64))
-    with pytest.raises(NotImplementedError, match="Adasum"):
-        hvd.allreduce(torch.ones(2), op=hvd.Adasum)
+    with pytest.raises(TypeError, match="Adasum reduces floating-point"):
+        hvd.allreduce(torch.ones(2, dtype=torch.int32), op=hvd.Adasum)
     with pytest.raises(ValueError, match="not registered"):
         hvd.allreduce(torch.ones(2), process_set=hvd.ProcessSet([0]))
     assert torch.all(hvd.allreduce(torch.ones(2), process_set=hvd.global_process_set) == 1)
