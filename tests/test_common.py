@@ -96,3 +96,33 @@ def test_uninitialized_calls_say_so():
 
     with pytest.raises(ValueError, match="init"):
         hvd.rank()
+
+
+@pytest.mark.timeout(120)
+def test_timeline_plot_of_every_rank(tmp_path):
+    """%dist_timeline's drawing: the ranks' files become one row per rank."""
+    import json
+
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from nbdist.common import timeline
+
+    path = str(tmp_path / "t.json")
+    for rank in range(2):  # two ranks' files, as start_timeline writes them
+        events = [{"name": "process_name", "ph": "M", "pid": 7, "tid": rank,
+                   "args": {"name": "allreduce.w"}},
+                  {"name": "NEGOTIATE_ALLREDUCE", "ph": "B", "ts": 0, "pid": 7, "tid": rank},
+                  {"ph": "E", "ts": 50 + rank, "pid": 7, "tid": rank},
+                  {"name": "SHM_ALLREDUCE", "ph": "B", "ts": 60, "pid": 7, "tid": rank},
+                  {"ph": "E", "ts": 90, "pid": 7, "tid": rank}]
+        with open(timeline.rank_path(path, rank), "w") as f:
+            json.dump(events, f)
+    assert timeline.rank_files(path) == [path, path + ".rank1"]
+    spans = timeline.phase_spans(timeline.merge(path, 2))
+    assert (1, "NEGOTIATE_ALLREDUCE", 0, 51) in spans and len(spans) == 4
+    figure = timeline.plot(path)
+    ax = figure.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0", "rank 1"]
+    assert {t.get_text() for t in ax.get_legend().get_texts()} == {"NEGOTIATE", "SHM_ALLREDUCE"}

@@ -262,3 +262,58 @@ def merge(path: str, size: int, out: str | None = None) -> list:
         with open(out, "w") as f:
             json.dump(events, f)
     return events
+
+
+def rank_files(path: str) -> list[str]:
+    """The files every rank wrote for a timeline started at `path`, in rank order."""
+    files = []
+    while os.path.exists(rank_path(path, len(files))):
+        files.append(rank_path(path, len(files)))
+    return files
+
+
+def phase_spans(events: list) -> list[tuple[int, str, float, float]]:
+    """(rank, phase, start µs, end µs) of every closed phase in a list of events."""
+    open_phases: dict = {}
+    spans = []
+    for e in events:
+        key = (e.get("pid"), e.get("tid"))
+        if e.get("ph") == "B":
+            open_phases.setdefault(key, []).append((e["name"], e["ts"]))
+        elif e.get("ph") == "E" and open_phases.get(key):
+            name, start = open_phases[key].pop()
+            spans.append((e["tid"], name, start, e["ts"]))
+    return spans
+
+
+def plot(path: str, ax=None):
+    """Draw a timeline started at `path` as one row per rank, a colour per phase (the
+    outermost per-op phases NEGOTIATE/QUEUE, then the transport and copy phases on
+    top); returns the matplotlib Figure. Each rank's clock starts at its own
+    start_timeline, so compare durations across ranks, not exact instants."""
+    import matplotlib.pyplot as plt
+
+    files = rank_files(path)
+    if not files:
+        raise FileNotFoundError(f"no timeline files for {path!r} (rank 0 writes that path, "
+                                "rank r <path>.rank<r>)")
+    spans = phase_spans(merge(path, len(files)))
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 0.6 + 0.5 * len(files)))
+    colours: dict = {}
+    palette = plt.get_cmap("tab10")
+    for rank, phase, start, end in spans:
+        group = "NEGOTIATE" if phase.startswith("NEGOTIATE") else phase
+        colour = colours.setdefault(group, palette(len(colours) % 10))
+        # an op's own phase (ALLREDUCE ...) spans its inner phases: draw it thin, below
+        thin = group in ("ALLREDUCE", "ALLGATHER", "BROADCAST", "ALLTOALL", "REDUCESCATTER")
+        height = 0.2 if thin else 0.6
+        ax.broken_barh([(start / 1000.0, max(end - start, 1.0) / 1000.0)],
+                       (rank - height / 2, height), facecolors=colour)
+    ax.set_yticks(range(len(files)), [f"rank {r}" for r in range(len(files))])
+    ax.set_xlabel("ms since start_timeline")
+    ax.invert_yaxis()
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
+    ax.legend(handles, list(colours), loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    ax.figure.tight_layout()
+    return ax.figure

@@ -340,6 +340,26 @@ class DistributedMagics(Magics):
         n = self._default_n(args.n)
         return self._run_code(f"%run {shlex.quote(str(path))}", args, n)
 
+    @magic_arguments()
+    @argument("path", nargs="?", default=None,
+              help="the path given to hvd.start_timeline (default: $NBDIST_TIMELINE or "
+                   "$HOROVOD_TIMELINE)")
+    @line_magic
+    def dist_timeline(self, line):
+        """Plot a timeline the ranks wrote (hvd.start_timeline): a row per rank, a colour
+        per phase (negotiation, queue, fusion copies, the transport's collective)."""
+        args = parse_argstring(self.dist_timeline, line)
+        path = args.path or os.environ.get("NBDIST_TIMELINE") or os.environ.get("HOROVOD_TIMELINE")
+        if not path:
+            raise UsageError("%dist_timeline: give the timeline's path (as passed to "
+                             "hvd.start_timeline in the cell), e.g. %dist_timeline /tmp/tl.json")
+        from nbdist.common import timeline
+
+        try:
+            return timeline.plot(os.path.expanduser(path))
+        except FileNotFoundError as exc:
+            raise UsageError(f"%dist_timeline: {exc}") from None
+
     def _require_cluster(self) -> DistCluster:
         c = self.cluster
         if c.cluster is None or not c.is_running():
