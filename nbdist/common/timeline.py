@@ -266,7 +266,7 @@ def merge(path: str, size: int, out: str | None = None) -> list:
 
 def rank_files(path: str) -> list[str]:
     """The files every rank wrote for a timeline started at `path`, in rank order."""
-    files = []
+    files: list[str] = []
     while os.path.exists(rank_path(path, len(files))):
         files.append(rank_path(path, len(files)))
     return files
