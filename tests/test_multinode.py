@@ -373,3 +373,37 @@ def test_slurm_cell_and_batch_job(slurm, tmp_path):
     while slurm.jobs() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not slurm.jobs(), f"Slurm jobs left behind: {slurm.jobs()}"
+
+
+def test_kernel_killed_leaves_nothing_on_any_host(hosts, tmp_path):
+    """The notebook kernel dies (SIGKILL) with a cluster on h1 and h2: its reaper stops mpiexec,
+    each host's hydra proxy then kills its ranks; nothing is left on any host or here."""
+    ready = tmp_path / "ready"
+    kernel = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time\n"
+         "from nbdist.notebook.cluster import DistCluster\n"
+         "c = DistCluster()\n"
+         "c.start(4, 'ssh', ['h1:2', 'h2:2'])\n"
+         f"open({str(ready)!r}, 'w').write(' '.join(i.host for _, i in sorted(c.ranks.items())))\n"
+         "time.sleep(600)\n"],
+        env={**os.environ, **hosts.env()}, cwd=ROOT, stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not ready.exists() and kernel.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert ready.exists(), f"the cluster did not start: {kernel.stdout.read() if kernel.poll() is not None else ''}"
+        assert ready.read_text() == "h1 h1 h2 h2"
+        assert hosts.leftovers("h2"), "no ranks running on h2 before the kill"
+        os.kill(kernel.pid, signal.SIGKILL)
+        kernel.wait(10)
+        left = hosts.wait_clean(timeout=30)
+        assert not left, f"left on the hosts after the kernel died: {left}"
+        deadline = time.monotonic() + 15
+        while hosts.root_leftovers() and time.monotonic() < deadline:
+            time.sleep(0.3)
+        assert not hosts.root_leftovers(), hosts.root_leftovers()
+    finally:
+        if kernel.poll() is None:
+            os.killpg(kernel.pid, signal.SIGKILL)
