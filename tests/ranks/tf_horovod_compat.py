@@ -118,3 +118,23 @@ def test_broadcast_object_fn_and_alltoall_with_empty_parts():
     out, received = hvd.alltoall(x, splits, name="compat.a2a.empty")
     assert received.numpy().tolist() == [0] + [1] * (N - 1)
     assert out.shape == (N - 1, 2)
+
+
+def test_partial_distributed_gradient_tape_keeps_local_layers_local():
+    """Keras 3 variables: the local layer's gradient is this rank's, divided by size()."""
+    import keras
+
+    dense = keras.layers.Dense(1, kernel_initializer=keras.initializers.Constant(R + 1.0),
+                               use_bias=False)
+    head = keras.layers.Dense(1, kernel_initializer="ones", use_bias=False)
+    x = tf.ones([1, 2])
+    with tf.GradientTape(persistent=True) as plain:
+        loss = tf.reduce_sum(head(dense(x)))
+    own = plain.gradient(loss, [dense.kernel, head.kernel])
+    tape = hvd.PartialDistributedGradientTape(plain, local_layers=[dense])
+    local_grad, head_grad = tape.gradient(loss, [dense.kernel, head.kernel])
+    np.testing.assert_allclose(local_grad.numpy(), own[0].numpy() / N)
+    mean_head = np.mean([2.0 * (r + 1) for r in range(N)])  # d loss / d head = sum of dense out
+    np.testing.assert_allclose(head_grad.numpy(), [[mean_head]])
+    local, shared = tape.get_local_and_global_gradients(loss, [dense.kernel, head.kernel])
+    assert len(local) == 1 and len(shared) == 1
