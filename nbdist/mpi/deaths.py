@@ -71,14 +71,16 @@ class DeathWatch:
     stopped the others.
     """
 
-    def __init__(self, pids_by_rank: dict[int, int]):
+    def __init__(self, pids_by_rank: dict[int, int], via: list[str] | None = None):
+        """via: a command prefix that runs the watcher where the ranks are, e.g. [ssh, host]
+        for ranks on another host (the same Python path there, as hydra assumes)."""
         self._first: set[int] = set()
         self._status: dict[int, int] = {}
         self._proc: subprocess.Popen | None = None
         if not hasattr(os, "pidfd_open") or not pids_by_rank:
             return
         args = [f"{rank}:{pid}" for rank, pid in sorted(pids_by_rank.items())]
-        self._proc = subprocess.Popen([sys.executable, "-m", "nbdist.mpi.deaths", *args],
+        self._proc = subprocess.Popen([*(via or []), sys.executable, "-m", "nbdist.mpi.deaths", *args],
                                       stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                       stderr=subprocess.DEVNULL, text=True, start_new_session=True)
         assert self._proc.stdout is not None

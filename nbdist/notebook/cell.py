@@ -289,10 +289,10 @@ def _death_report(cluster, ranks: list[int], errors) -> FailureReport:
     if len(statuses) < len(seen) or not statuses:
         statuses = {**statuses, **seen}
     dead = blame(statuses, set(seen) or cluster.first_dead())
-    if dead:
+    if remote:  # names the host too; each host's death watch saw only its own first death
+        who, dead = "; ".join(remote), {}
+    elif dead:
         who = died_headline({r: decode_wait_status(s) for r, s in dead.items()})
-    elif remote:
-        who = "; ".join(remote)
     else:
         # mpiexec did not report in time: every engine is gone, but which one went first is unknown
         who = "a rank died and MPI stopped the others (mpiexec reported no exit statuses in time)"

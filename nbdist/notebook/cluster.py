@@ -27,7 +27,7 @@ from ..common.config import KERNEL_PID_ENV
 from ..mpi import reaper
 from ..mpi.deaths import DeathWatch
 from ..mpi.hosts import (HostsError, address_toward, banner_deaths, check_slots, hosts_arg,
-                         in_slurm_allocation, lost_host_line, lost_hosts_in, parse_hosts, placement,
+                         in_slurm_allocation, launcher_exec, lost_host_line, lost_hosts_in, parse_hosts, placement,
                          remote_death_line, ssh_hostname, LinkWatch)
 from ..mpi.hydra import MpiexecNotFound, culprits, decode_wait_status, mpiexec_path, parse_exit_codes, venv_bin  # noqa: F401
 
@@ -74,6 +74,7 @@ class DistCluster:
         self._output_handles: list = []
         self._atexit_registered = False
         self._death_watch: DeathWatch | None = None
+        self._remote_watches: list[DeathWatch] = []  # one per other host (several hosts only)
         self._links: LinkWatch | None = None  # hydra's ssh links to the hosts (several hosts only)
         self._lost_hosts: list[str] = []  # hosts whose ssh link ended while mpiexec still ran
         self._addresses: dict[str, str] = {}  # host -> the address ssh connects to
@@ -304,14 +305,28 @@ class DistCluster:
                                f"the {self.launcher!r} launcher did not start them under one mpiexec")
         here = socket.gethostname()
         self._death_watch = DeathWatch({r: info.pid for r, info in self.ranks.items() if info.host == here})
+        # Ranks on other hosts: the same watcher, started there over ssh (hydra's report
+        # names only the host of a dead rank). A host whose watcher cannot start is skipped.
+        self._remote_watches = []
+        for host in sorted({info.host for info in self.ranks.values()} - {here}) if self.hosts else []:
+            pids = {r: info.pid for r, info in self.ranks.items() if info.host == host}
+            self._remote_watches.append(DeathWatch(pids, via=[launcher_exec(), host]))
+
+    def _watches(self) -> list[DeathWatch]:
+        return ([self._death_watch] if self._death_watch is not None else []) + self._remote_watches
 
     def first_dead(self) -> set[int]:
-        """The local ranks seen dying first (see nbdist.mpi.deaths); empty if unknown."""
-        return self._death_watch.first_dead() if self._death_watch is not None else set()
+        """The ranks seen dying first, on each host (see nbdist.mpi.deaths); empty if unknown.
+        With several hosts this holds each host's first death: the one on the host hydra
+        reports is the cause, the others are its follow-ons."""
+        return set().union(*(w.first_dead() for w in self._watches()))
 
     def first_dead_statuses(self) -> dict[int, int]:
         """Wait statuses of the ranks seen dying first, read before MPI's report (may be empty)."""
-        return self._death_watch.first_dead_statuses() if self._death_watch is not None else {}
+        found: dict[int, int] = {}
+        for watch in self._watches():
+            found.update(watch.first_dead_statuses())
+        return found
 
     def _start_watchdog(self) -> None:
         pids = [self.cluster.controller.process.pid] + [p.pid for p in self._mpiexec_procs()]
@@ -418,14 +433,18 @@ class DistCluster:
 
     def host_failures(self, wait_s: float = 5.0) -> list[str]:
         """host_failures_now(), waiting (at most wait_s) for mpiexec to write its banner."""
-        deadline = time.monotonic() + wait_s
+        start = time.monotonic()
+        deadline = start + wait_s
         exited_at = None
         while True:
             lines = self.host_failures_now()
             now = time.monotonic()
             if exited_at is None and self._mpiexec_exited():
                 exited_at = now
-            if lines or not self.hosts or now >= deadline or (exited_at is not None and now - exited_at > 1.0):
+            # a death named by host only may still get its rank from that host's death watch
+            unnamed = any(line.startswith("a rank on ") for line in lines)
+            if (lines and not (unnamed and now < start + 2.0)) or not self.hosts or now >= deadline or (
+                    exited_at is not None and now - exited_at > 1.0 and not lines):
                 return lines
             time.sleep(0.1)
 
@@ -444,7 +463,9 @@ class DistCluster:
             if host in lost:
                 continue
             there = self.ranks_on(host)
-            lines.append(remote_death_line(host, code, there[0] if len(there) == 1 else None, there))
+            seen = sorted(self.first_dead() & set(there))  # that host's death watch
+            rank = there[0] if len(there) == 1 else seen[0] if len(seen) == 1 else None
+            lines.append(remote_death_line(host, code, rank, there))
         return lines
 
     def stop(self, quiet: bool = False) -> bool:
@@ -491,9 +512,9 @@ class DistCluster:
             self._profile_dir = None
         self.client = self.view = None
         self.ranks = {}
-        if self._death_watch is not None:
-            self._death_watch.stop()
-            self._death_watch = None
+        for watch in self._watches():
+            watch.stop()
+        self._death_watch, self._remote_watches = None, []
         self._links, self._lost_hosts, self._addresses = None, [], {}
         return True
 
