@@ -21,6 +21,7 @@ from .mpi_ops import (allgather, allreduce, alltoall, broadcast, broadcast_,  # 
                       local_rank_op, local_size_op, rank_op, reducescatter, size_op)
 from .optimizer import DistributedOptimizer  # noqa: E402
 from .tape import DistributedGradientTape, PartialDistributedGradientTape  # noqa: E402
+from .sync_batch_norm import SyncBatchNormalization  # noqa: E402
 
 # Horovod's tests (and some user code) call this private helper of horovod.tensorflow.
 _executing_eagerly = _tf.executing_eagerly

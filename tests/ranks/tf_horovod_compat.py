@@ -138,3 +138,18 @@ def test_partial_distributed_gradient_tape_keeps_local_layers_local():
     np.testing.assert_allclose(head_grad.numpy(), [[mean_head]])
     local, shared = tape.get_local_and_global_gradients(loss, [dense.kernel, head.kernel])
     assert len(local) == 1 and len(shared) == 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sync_batch_normalization_uses_the_global_batch(mode):
+    import keras
+
+    batches = [np.random.default_rng(r).normal(size=(3 + r, 2, 4)).astype(np.float32)
+               for r in range(N)]
+    sync_bn = hvd.SyncBatchNormalization(axis=-1, name=f"sbn_{mode}")
+    plain = keras.layers.BatchNormalization(axis=-1)
+    out = run(mode, lambda t: sync_bn(t, training=True), tf.constant(batches[R]))
+    everything = plain(tf.constant(np.concatenate(batches)), training=True)
+    start = sum(3 + r for r in range(R))
+    np.testing.assert_allclose(out.numpy(), everything.numpy()[start:start + 3 + R],
+                               rtol=1e-4, atol=1e-4)
