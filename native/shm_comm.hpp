@@ -136,6 +136,7 @@ class ShmComm {
   size_t stream_bytes_ = SIZE_MAX;
   size_t cma_bytes_ = 0;
   std::atomic<uint64_t> doorbell_{0};  // ring() count (this process only)
+  std::atomic<int> idle_sleeping_{0};  // wait_activity is (about to be) in FUTEX_WAIT
   uint64_t doorbell_seen_ = 0;         // the count wait_activity last returned on  // allreduces of at least this many bytes stream their output
 };
 

@@ -202,7 +202,10 @@ void ShmComm::wait_for(int who, uint64_t phase, WaitContext& ctx) {
 
 void ShmComm::ring() {
   doorbell_.fetch_add(1, std::memory_order_seq_cst);
-  if (hdr_ != nullptr && hdr_->sleepers.load(std::memory_order_seq_cst) != 0) {
+  // Only when this process's own engine thread sleeps: `sleepers` counts every rank's
+  // waiters, and a wake-up of the shared word also wakes the peers' threads for nothing
+  // (a burst of gradient hooks rang once per tensor, each a syscall and a context switch).
+  if (hdr_ != nullptr && idle_sleeping_.load(std::memory_order_seq_cst) != 0) {
     hdr_->wake_word.fetch_add(1, std::memory_order_seq_cst);
     futex_wake_all(&hdr_->wake_word);
   }
@@ -234,11 +237,13 @@ int ShmComm::wait_activity(double timeout_s) {
   while (true) {
     double left = timeout_s - seconds_since(start);
     if (left <= 0) return 0;
+    idle_sleeping_.store(1, std::memory_order_seq_cst);  // before reading the doorbell (ring's pair)
     hdr_->sleepers.fetch_add(1, std::memory_order_seq_cst);
     uint32_t word = hdr_->wake_word.load(std::memory_order_seq_cst);
     s = state();
     if (s == 0) futex_wait(&hdr_->wake_word, word, static_cast<long>(std::min(left, 1.0) * 1e9));
     hdr_->sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    idle_sleeping_.store(0, std::memory_order_seq_cst);
     if (s != 0 || (s = state()) != 0) return s;
   }
 }
