@@ -238,3 +238,8 @@ def test_sparse_as_dense_hands_sparse_gradients_back():
         weights = hvd.allgather_object(embedding.weight.detach().tolist())
         assert all(w == weights[0] for w in weights)
         opt.remove_hooks()
+
+
+def test_reducescatter_refuses_adasum_with_a_runtime_error():
+    with pytest.raises(RuntimeError, match="Adasum"):
+        hvd.reducescatter(torch.ones(N() * 2), op=hvd.Adasum)
