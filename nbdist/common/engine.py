@@ -161,13 +161,11 @@ class Engine:
             raise errors.RuntimeBrokenError(self._broken)
         with self._cv:
             if request.name in self._names_in_flight:
-                message = (f"{request.kind} '{request.name}' was submitted twice by rank "
-                           f"{self.rank} while in flight; give each in-flight op its own name")
-                self._control.append(("poison", request.name, message))
-                self._cv.notify()
-                if self.agreement is not None:
-                    self.agreement.ring()
-                raise ValueError(message)
+                # Refused here only, as Horovod does: the op already in flight under this
+                # name goes on (its peers may be about to submit it).
+                raise ValueError(f"{request.kind} '{request.name}' was submitted twice by rank "
+                                 f"{self.rank} while in flight; give each in-flight op its "
+                                 "own name")
             self._names_in_flight.add(request.name)
             self._queue.append(request)
             self._cv.notify()

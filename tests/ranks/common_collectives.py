@@ -300,8 +300,8 @@ def test_name_in_flight_twice():
     if RANK == 0:
         with pytest.raises(ValueError, match="submitted twice"):
             hvd.allreduce_async(np.ones(2), name="twice")
-    with pytest.raises(ValueError, match="submitted twice"):
-        hvd.synchronize(h)
+    # refused on the submitting rank only (Horovod): the op in flight completes
+    assert hvd.synchronize(h).tolist() == [1.0, 1.0]
     works("twice")
 
 

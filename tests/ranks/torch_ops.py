@@ -339,8 +339,8 @@ def test_name_in_flight_twice_is_an_error():
     hvd.barrier()
     if R() != 0:
         first = hvd.allreduce_async(x, name="twice")
-    with pytest.raises(Exception):  # noqa: B017  (which error a poisoned op gives is not the point)
-        hvd.synchronize(first)
+    # refused on the submitting rank only (Horovod): the op in flight completes everywhere
+    assert torch.equal(hvd.synchronize(first), x)
     assert torch.all(hvd.allreduce(x, op=hvd.Sum, name="after.twice") == N())
 
 
