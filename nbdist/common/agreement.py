@@ -41,6 +41,7 @@ DEMOTE_S = 0.25  # a cached op waiting longer than this is sent in full (stall b
 KEEPALIVE_S = 0.5  # with ops in flight, cycle at least this often (dead-peer detection)
 STALL_CHECK_INTERVAL_S = 0.05  # rank 0 looks for timed-out ops at most this often
 CONTROL_SLOT_BYTES = 64 * 1024
+CONTROL_SPIN, CONTROL_YIELDS = 50, 8  # polls before yielding, and before the futex sleep
 
 
 def _quiet(message: str) -> None:
@@ -62,6 +63,11 @@ class ShmAgreement:
                                 engine._should_stop, slot_bytes=CONTROL_SLOT_BYTES, nsets=2,
                                 single_copy=False)  # its scratch words carry publish_queued
         self.native = self.seg._native
+        # A cycle's wait is for peers to arrive: during training, a peer still in its
+        # backward pass. Spinning there takes the core from that computation (2 ranks on
+        # 2 cores are oversubscribed once each has an engine thread), so spin briefly and
+        # sleep on the futex soon; the data ops that follow a cycle start in step.
+        self.native.set_tuning(CONTROL_SPIN, CONTROL_YIELDS, 64 * 1024, 0)
         self.coord = Coordinator(self.size, config.fusion_threshold, config.cache_capacity,
                                  config.stall_warning_s, config.timeout_s,
                                  warn=engine._warn if self.rank == 0 else _quiet)
