@@ -122,5 +122,12 @@ def processes_with_kernel_pid(kernel_pid: int) -> list[str]:
     return found
 
 
-def shm_left(paths) -> list[str]:
-    return [p for p in paths if os.path.exists(p)]
+def shm_left(paths, wait_s: float = 10.0) -> list[str]:
+    """Segments still in /dev/shm after wait_s: the reaper removes them once the ranks it
+    killed are gone, a moment after the processes themselves (it scans /proc first)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = [p for p in paths if os.path.exists(p)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.25)
