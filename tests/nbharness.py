@@ -122,7 +122,7 @@ def processes_with_kernel_pid(kernel_pid: int) -> list[str]:
     return found
 
 
-def shm_left(paths, wait_s: float = 10.0) -> list[str]:
+def shm_left(paths, wait_s: float = 30.0) -> list[str]:
     """Segments still in /dev/shm after wait_s: the reaper removes them once the ranks it
     killed are gone, a moment after the processes themselves (it scans /proc first)."""
     deadline = time.monotonic() + wait_s

@@ -19,6 +19,10 @@ import time
 import psutil
 
 POLL_S = 0.5
+SCAN_EVERY = 4  # read the ranks' /proc maps every 2 s: MPI maps per-communicator segments late
+# A killed rank unmaps its segments only once the OS has torn it down: seconds on a loaded
+# 2-core machine running 4 ranks, so wait that long for ours to be released.
+SETTLE_S = 15.0
 
 
 def _alive(pid: int, create_time: float | None = None) -> bool:
@@ -170,16 +174,25 @@ def main(argv: list[str]) -> int:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    seen: set[str] = set()  # every segment the ranks mapped so far (they create some late)
+    polls = 0
     while True:
         if not any(_alive(pid) for pid in pids):
-            return 0  # the cluster was stopped normally; its owner cleaned up
+            # Stopped by its owner, who removes the segments; but the kernel may be killed
+            # mid-stop (jupyter_client's shutdown grace ends), so sweep what is left
+            # unheld. A segment still mapped by a live process is never touched.
+            remove_orphan_segments(since, known=seen, settle_s=SETTLE_S)
+            return 0
         if not _alive(kernel_pid, kernel_start):
             break
+        if polls % SCAN_EVERY == 0:
+            seen |= segments_of(process_trees(pids))
+        polls += 1
         time.sleep(POLL_S)
     tree = process_trees(pids)
-    segments = segments_of(tree)  # the ranks' own segments, whatever their age
+    segments = seen | segments_of(tree)  # the ranks' own segments, whatever their age
     kill_procs(tree)
-    remove_orphan_segments(since, known=segments, settle_s=5.0)
+    remove_orphan_segments(since, known=segments, settle_s=SETTLE_S)
     shutil.rmtree(profile_dir, ignore_errors=True)
     return 0
 

@@ -499,7 +499,7 @@ class DistCluster:
                 self._notify(f"ipyparallel could not stop the cluster cleanly ({exc!r}); killing it", "warning")
         reaper.kill_procs([p for p in tree if reaper._alive(p.pid)], grace_s=2.0)
         self._close_output_files()
-        reaper.remove_orphan_segments(self._started_at, known=segments, settle_s=5.0)
+        reaper.remove_orphan_segments(self._started_at, known=segments, settle_s=reaper.SETTLE_S)
         if self._watchdog is not None:
             try:
                 self._watchdog.kill()
