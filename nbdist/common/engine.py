@@ -210,18 +210,25 @@ class Engine:
         """Asked by transports while they wait: a reason to give up, or None."""
         return "nbdist is shutting down" if self._stopping else None
 
+    def _take_queued(self) -> tuple[list, list] | None:
+        """The ops and control items queued since the last look, or None once stop() was asked."""
+        with self._cv:
+            if self._stopping:
+                return None
+            new, control = list(self._queue), list(self._control)
+            self._queue.clear()
+            self._control.clear()
+        return new, control
+
     def _run(self) -> None:
         backoff = Backoff()
         _fine_timer_slack()
         try:
             while True:
-                with self._cv:
-                    if self._stopping:
-                        return
-                    new = list(self._queue)
-                    self._queue.clear()
-                    control = list(self._control)
-                    self._control.clear()
+                taken = self._take_queued()
+                if taken is None:
+                    return
+                new, control = taken
                 worked = self._cycle(new, control)
                 if worked:
                     timeline.cycle()
@@ -249,13 +256,10 @@ class Engine:
         _fine_timer_slack()
         try:
             while True:
-                with self._cv:
-                    if self._stopping:
-                        return
-                    new = list(self._queue)
-                    self._queue.clear()
-                    control = list(self._control)
-                    self._control.clear()
+                taken = self._take_queued()
+                if taken is None:
+                    return
+                new, control = taken
                 now = time.monotonic()
                 items = agreement.prepare(new, control, now)
                 if items or agreement.must_cycle(now):
