@@ -215,9 +215,13 @@ class Engine:
         with self._cv:
             if self._stopping:
                 return None
-            new, control = list(self._queue), list(self._control)
-            self._queue.clear()
-            self._control.clear()
+            return self._drain_locked()
+
+    def _drain_locked(self) -> tuple[list, list]:
+        """Empty the op and control queues; the caller holds self._cv."""
+        new, control = list(self._queue), list(self._control)
+        self._queue.clear()
+        self._control.clear()
         return new, control
 
     def _run(self) -> None:
@@ -268,10 +272,7 @@ class Engine:
                 woke = agreement.wait(agreement.next_timeout(now))
                 if woke == 1:  # a peer started a cycle: join it (with whatever is queued now)
                     with self._cv:
-                        new = list(self._queue)
-                        self._queue.clear()
-                        control = list(self._control)
-                        self._control.clear()
+                        new, control = self._drain_locked()
                     agreement.cycle(agreement.prepare(new, control, time.monotonic()))
                 elif woke == 3:  # the segment was aborted: a peer died, shut down or gave up
                     reason = agreement.native.abort_reason()
