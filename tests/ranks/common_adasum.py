@@ -3,13 +3,7 @@ import numpy as np
 import pytest
 
 import nbdist.common as hvd
-
-
-@pytest.fixture(scope="module", autouse=True)
-def runtime():
-    hvd.init()
-    yield
-    hvd.barrier()
+from _common_setup import runtime  # noqa: F401 (the autouse fixture starts nbdist)
 
 
 def reference(vectors):

@@ -4,21 +4,7 @@ import numpy as np
 import pytest
 
 import nbdist.common as hvd
-
-
-@pytest.fixture(scope="module", autouse=True)
-def runtime():
-    hvd.init()
-    yield
-    hvd.barrier()
-
-
-def R():
-    return hvd.rank()
-
-
-def N():
-    return hvd.size()
+from _common_setup import N, R, runtime  # noqa: F401 (the autouse fixture starts nbdist)
 
 
 @pytest.fixture()

@@ -3,17 +3,10 @@ import json
 import os
 
 import numpy as np
-import pytest
 
 import nbdist.common as hvd
+from _common_setup import runtime  # noqa: F401 (the autouse fixture starts nbdist)
 from nbdist.common import timeline
-
-
-@pytest.fixture(scope="module", autouse=True)
-def runtime():
-    hvd.init()
-    yield
-    hvd.barrier()
 
 
 def _shared_dir(tmp_path_factory):
