@@ -42,3 +42,20 @@ def test_hydra_banner_nanny_and_ssh_words():
     assert remote_death_line("h2", 9, 3, [2, 3]) == ("rank 3 on h2 died (killed by signal 9 (SIGKILL), "
                                                      "as hydra reports it)")
     assert "ranks 2-3 ran there, and hydra does not say which" in remote_death_line("h2", 1, None, [2, 3])
+
+
+def test_remote_death_is_the_cause_not_the_local_ranks_hydra_killed(tmp_path, capsys):
+    """Across hosts hydra's exit-code report covers only this host's ranks, which its clean-up
+    SIGKILLed after a rank on h2 died: the run names h2's death, and the local ranks as stopped."""
+    from nbdist.cli.run import _summarise
+
+    out = ("===\n=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES\n"
+           "=   PID 7105 RUNNING AT h2\n=   EXIT CODE: 9\n=   CLEANING UP REMAINING PROCESSES\n"
+           "[mpiexec@vm] Exit codes: [h1] 0,9\n")
+    code = _summarise(137, out, str(tmp_path), 4, None, False, False, 0.0,
+                      slots=[("h1", 2), ("h2", 2)])
+    err = capsys.readouterr().err
+    assert code == 137
+    assert "a rank on h2 died (killed by signal 9 (SIGKILL), as hydra reports it" in err, err
+    assert "rank 1 was stopped by MPI after the failure" in err, err
+    assert "rank 1 died" not in err, err

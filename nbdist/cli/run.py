@@ -192,11 +192,16 @@ def _read_reports(report_dir: str, interrupted_by_us: bool) -> list[RankError]:
 def _summarise(rc: int, output: str, report_dir: str, n: int, timeout, timed_out: bool,
                interrupted: bool, started: float, slots=(), lost=()) -> int:
     errors = _read_reports(report_dir, interrupted_by_us=timed_out or interrupted or bool(lost))
-    statuses = parse_exit_codes(output)
+    statuses = parse_exit_codes(output, placement(list(slots), n) if slots else None)
     reported = {e.rank for e in errors}
     primary = primary_cause(errors)
     others = sorted((e for e in errors if e is not primary), key=lambda e: e.rank)
     dead = {r: s for r, s in blame(statuses).items() if r not in reported}
+    banners = banner_deaths(output) if slots else []
+    if banners and all(s == 9 for s in dead.values()):
+        # Across hosts hydra reports exit codes only for this host's ranks, and those it
+        # SIGKILLed in its clean-up after the remote death that its banner names: not causes.
+        dead = {}
     notes = []
     if timed_out:
         headline = f"the run took longer than --timeout {timeout:g} s; every rank was stopped"
@@ -216,12 +221,12 @@ def _summarise(rc: int, output: str, report_dir: str, n: int, timeout, timed_out
         first_status = dead[min(dead)]
         code = 128 + (first_status & 0x7F) if first_status & 0x7F else (first_status >> 8) or 1
         dead = {}
-    elif slots and banner_deaths(output):
-        # across hosts hydra prints no exit-code report for a death: its banner names the host
+    elif banners:
+        # across hosts hydra prints no exit-code report for a remote death: its banner names the host
         where = placement(list(slots), n)
         headline = "; ".join(remote_death_line(h, c, where[h][0] if len(where.get(h, [])) == 1 else None,
                                                where.get(h, []))
-                             for h, c in banner_deaths(output))
+                             for h, c in banners)
         code = rc or 1
     elif errors:
         headline = "every failing rank failed with follow-on errors only"
