@@ -4,7 +4,7 @@ from __future__ import annotations
 import atexit
 import threading
 
-from . import errors, timeline
+from . import errors, timeline, world
 from .config import Config, env_str
 from .topology import Topology
 
@@ -47,7 +47,12 @@ def _init(comm) -> None:
             raise errors.NbdistError("nbdist needs mpi4py and an MPI library: "
                                      "pip install 'nbdist[mpi]' (mpi4py and the mpich wheel)")
         config = Config.from_environment()
-        topology = Topology.from_mpi(comm if comm is not None else MPI.COMM_WORLD,
+        if comm is None:
+            plan = world.join_pending()  # started by an elastic driver to join a running world
+            if plan is not None:
+                world.rebuild(plan)
+            world.remember_members()
+        topology = Topology.from_mpi(comm if comm is not None else world.world_comm(),
                                      config.local_size)
         from .engine import Engine
         from .transports.select import TransportSet

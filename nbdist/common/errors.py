@@ -11,7 +11,7 @@ class NotInitializedError(NbdistError, ValueError):
 
 
 class CollectiveError(NbdistError):
-    """A collective op failed on this rank; the runtime stays usable."""
+    """A collective op failed on this rank (Horovod's HorovodInternalError)."""
 
 
 class MismatchError(CollectiveError):
@@ -26,8 +26,21 @@ class AbortedError(CollectiveError):
     """Some rank aborted (raised, was interrupted) while this op was in flight."""
 
 
-class RuntimeBrokenError(NbdistError):
-    """A transport failed mid-op; the runtime must be shut down and started again."""
+class RuntimeBrokenError(CollectiveError):
+    """A transport failed mid-op (e.g. a peer died); the runtime must be shut down and started
+    again. A CollectiveError, so Horovod's HorovodInternalError catches it: hvd.elastic.run
+    rebuilds the world on it."""
+
+
+class HostsUpdatedInterrupt(RuntimeError):
+    """The elastic world changes at this commit (ranks joined or left): reset and go on.
+
+    skip_sync: True when no rank joined, so every rank already holds the committed state.
+    """
+
+    def __init__(self, skip_sync: bool = False):
+        super().__init__("the elastic world changed")
+        self.skip_sync = skip_sync
 
 
 # Horovod code catches this name around collectives.

@@ -17,6 +17,7 @@ from nbdist.common.errors import (AbortedError, CollectiveError, CollectiveTimeo
                                   NotInitializedError, RuntimeBrokenError)
 from nbdist.common.ops_base import ReduceOp
 
+from . import elastic
 from .compression import Compression
 from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
                         broadcast_parameters)
