@@ -8,6 +8,7 @@ pulls in the notebook side and a key is spelled in one place.
   of rank 0's metric history.
 - Errors under `nbdist run`: a failing rank writes one JSON record per rank into the folder
   named by REPORT_DIR_ENV; the launcher reads them back after mpiexec exits.
+- Hosts: LAUNCH_HOST_ENV names the launcher's host (see nbdist.mpi.segment_keeper).
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ STATE_KEY = "nbdist.progress"  # the rank's latest state, replaced on every publ
 HISTORY_PREFIX = "nbdist.h."  # + index: one history point of rank 0; new keys, so none is lost
 
 REPORT_DIR_ENV = "NBDIST_REPORT_DIR"
+# The host `nbdist run` runs on: a rank on any other host spawns a segment keeper there.
+LAUNCH_HOST_ENV = "NBDIST_LAUNCH_HOST"
 
 
 def write_error_record(folder: str, record: dict) -> None:

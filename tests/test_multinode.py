@@ -61,7 +61,9 @@ def run_on_hosts(sim: SimHosts, hostlist: str, n: int, args: list[str], timeout:
         pytest.fail(f"ranks on {hostlist} did not finish within {timeout} s\n{out[-6000:]}")
     finally:
         left = sim.wait_clean()
+        segments = sim.wait_no_segments()
     assert not left, f"processes left behind on the hosts: {left}"
+    assert not segments, f"shared-memory segments left behind on the hosts: {segments}"
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
 
 
@@ -234,6 +236,7 @@ def test_notebook_across_hosts_with_faults(hosts):
     assert error_of(stop) is None, text_of(stop)
 
     assert not hosts.wait_clean(), "processes left on the hosts"
+    assert not hosts.wait_no_segments(), f"segments left on the hosts: {hosts.wait_no_segments(0)}"
     deadline = time.monotonic() + 15
     while hosts.root_leftovers() and time.monotonic() < deadline:
         time.sleep(0.3)
@@ -272,6 +275,7 @@ def test_nbdist_run_across_hosts(hosts, tmp_path):
     assert "a rank on h2 died (killed by signal 9 (SIGKILL)" in proc.stderr, proc.stderr
     assert took < 60
     assert not hosts.wait_clean(), "processes left on the hosts"
+    assert not hosts.wait_no_segments(), f"segments left on the hosts: {hosts.wait_no_segments(0)}"
 
     marker = tmp_path / "running"
 
@@ -288,6 +292,7 @@ def test_nbdist_run_across_hosts(hosts, tmp_path):
     assert "host h2 was lost (hydra's ssh connection to it ended): ranks 2-3 on h2" in proc.stderr, proc.stderr
     assert took < 40, f"the run took {took:.0f} s after the cut"  # the loop alone runs 40 s
     assert not hosts.wait_clean(), "processes left on the hosts"
+    assert not hosts.wait_no_segments(), f"segments left on the hosts: {hosts.wait_no_segments(0)}"
     assert not hosts.root_leftovers(), hosts.root_leftovers()
     assert [p.name for p in tmp_path.iterdir()] == ["running"], "the run left files behind"
 
@@ -403,6 +408,7 @@ def test_kernel_killed_leaves_nothing_on_any_host(hosts, tmp_path):
         kernel.wait(10)
         left = hosts.wait_clean(timeout=30)
         assert not left, f"left on the hosts after the kernel died: {left}"
+        assert not hosts.wait_no_segments(), f"segments left on the hosts: {hosts.wait_no_segments(0)}"
         deadline = time.monotonic() + 15
         while hosts.root_leftovers() and time.monotonic() < deadline:
             time.sleep(0.3)

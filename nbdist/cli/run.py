@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -23,7 +24,7 @@ from ..mpi.hosts import (HostsError, LinkWatch, banner_deaths, check_slots, hydr
                          in_slurm_allocation, lost_host_line, parse_hosts, placement, remote_death_line)
 from ..mpi.hydra import decode_wait_status, mpiexec_path, parse_exit_codes
 from ..mpi.reaper import remove_orphan_segments
-from ..wire import REPORT_DIR_ENV, read_error_records
+from ..wire import LAUNCH_HOST_ENV, REPORT_DIR_ENV, read_error_records
 
 TIMEOUT_EXIT = 124
 KILL_GRACE_S = 5.0
@@ -107,7 +108,7 @@ def run_script(script: str, args: list[str] | None = None, n: int = 1, timeout: 
     # Ranks on other hosts write their error records here too: with hosts, in the working
     # directory (hydra starts every rank there; a cluster shares it), not this machine's /tmp.
     report_dir = tempfile.mkdtemp(prefix=".nbdist-run-", dir=os.getcwd() if slots else None)
-    run_env = {**os.environ, **extra, REPORT_DIR_ENV: report_dir}
+    run_env = {**os.environ, **extra, REPORT_DIR_ENV: report_dir, LAUNCH_HOST_ENV: socket.gethostname()}
     cmd = [mpiexec_path(), "-print-all-exitcodes", "-n", str(n), *spread]
     if launcher == "slurm" and not in_slurm_allocation():
         if shutil.which("salloc") is None:

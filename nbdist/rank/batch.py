@@ -16,9 +16,10 @@ import time
 import traceback
 
 from .. import failure
-from ..common.config import env_path
+from ..common.config import env_path, env_str
 from ..mpi.ranks import env_rank
-from ..wire import REPORT_DIR_ENV, write_error_record
+from ..mpi.segment_keeper import start_if_remote
+from ..wire import LAUNCH_HOST_ENV, REPORT_DIR_ENV, write_error_record
 
 def _report(rank: int, exc: BaseException, tb_lines: list[str]) -> None:
     folder = env_path(REPORT_DIR_ENV.removeprefix("NBDIST_"))
@@ -48,6 +49,7 @@ def main(argv: list[str]) -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     rank = env_rank() or 0
     faulthandler.enable()  # a segfault prints this rank's Python frames (tagged by mpiexec)
+    start_if_remote(env_str(LAUNCH_HOST_ENV.removeprefix("NBDIST_")))
     # One write per line: mpiexec tags each write with the rank, so a print must not be split.
     for stream in (sys.stdout, sys.stderr):
         try:

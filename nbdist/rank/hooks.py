@@ -19,6 +19,7 @@ import time
 
 from .. import failure
 from ..mpi.ranks import env_local_rank
+from ..mpi.segment_keeper import start_if_remote
 
 _KERNEL_WATCH_S = 1.0
 _state: dict = {"rank": None}
@@ -89,6 +90,7 @@ def setup(kernel_pid: int | None, kernel_host: str) -> dict:
             faulthandler.enable(file=sys.__stderr__)  # type: ignore[arg-type]
         except Exception:
             pass
+        start_if_remote(kernel_host)  # the kernel's sweep of /dev/shm cannot reach another host
         if kernel_pid and socket.gethostname() == kernel_host:
             threading.Thread(target=_watch_kernel, args=(kernel_pid,), name="nbdist-kernel-watch",
                              daemon=True).start()

@@ -1,5 +1,5 @@
 """Simulated hosts for multinode tests: one network namespace per host, each with its
-own address, hostname and a real sshd, all on one bridge in the root namespace.
+own address, hostname, /dev/shm and a real sshd, all on one bridge in the root namespace.
 
     root namespace (the test, the notebook kernel, mpiexec, the ipyparallel controller)
         bridge nbdb<tag>  198.18.<k>.1/24
@@ -83,7 +83,7 @@ class SimHosts:
 
     # ---- life cycle ------------------------------------------------------------------------
     def start(self) -> "SimHosts":
-        for tool in ("ip", "unshare", "ssh-keygen", "ssh"):
+        for tool in ("ip", "unshare", "nsenter", "ssh-keygen", "ssh"):
             if shutil.which(tool) is None:
                 raise Unavailable(f"{tool} is not installed")
         if not os.path.exists(SSHD):
@@ -161,10 +161,12 @@ class SimHosts:
             "StrictModes no", f"PidFile {d / f'sshd-{name}.pid'}", "MaxStartups 100",
             "MaxSessions 100", ""]))
         log = open(d / f"sshd-{name}.log", "wb")
-        # unshare --uts: the host's own hostname, inherited by everything sshd starts.
+        # unshare --uts: the host's own hostname, inherited by everything sshd starts;
+        # --mount with a tmpfs on /dev/shm: the host's own shared memory, as on a real host,
+        # so a segment left there is not swept by accident from the root namespace.
         self._sshd[name] = subprocess.Popen(
-            ["ip", "netns", "exec", self.netns[name], "unshare", "--uts", "sh", "-c",
-             f"hostname {name} && exec {SSHD} -D -e -f {conf}"],
+            ["ip", "netns", "exec", self.netns[name], "unshare", "--uts", "--mount", "sh", "-c",
+             f"mount -t tmpfs -o mode=1777 tmpfs /dev/shm && hostname {name} && exec {SSHD} -D -e -f {conf}"],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
 
@@ -210,6 +212,24 @@ class SimHosts:
                 continue
             found.append(f"{pid}: {cmd[:200]}")
         return found
+
+    def segments(self, name: str) -> list[str]:
+        """The files in the host's own /dev/shm (MPI's and nbdist's segments)."""
+        sshd = self._sshd.get(name)
+        if sshd is None or sshd.poll() is not None:
+            return []
+        out = _run("nsenter", "-t", str(sshd.pid), "-m", "ls", "-A", "/dev/shm", check=False).stdout
+        return sorted(out.split())
+
+    def wait_no_segments(self, timeout: float = 30) -> dict[str, list[str]]:
+        """Wait until no host's /dev/shm holds a segment; what is still there at the deadline."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = {n: self.segments(n) for n in self.names}
+            left = {n: v for n, v in left.items() if v}
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(0.3)
 
     def wait_clean(self, timeout: float = 15) -> dict[str, list[str]]:
         """Wait until no host has leftovers; what is still there at the deadline."""
