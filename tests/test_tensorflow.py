@@ -24,6 +24,12 @@ def test_horovod_compat(n):
     run_rank_tests(n, "tf_horovod_compat.py", timeout=260, extra_env=TF_ENV)
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("n", [2, 4])
+def test_process_sets_adasum_and_the_op_rule(n):
+    run_rank_tests(n, "tf_process_sets.py", timeout=260, extra_env=TF_ENV)
+
+
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("n", [2, 4])
 def test_training_keras3(n):

@@ -6,13 +6,14 @@ name. The `_async` forms return a handle; `synchronize(handle)` waits for it.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Sequence
 
 import numpy as np
 
 from . import basics, process_sets
 from . import adasum as _adasum
-from .ops_base import BFLOAT16, ReduceOp, SUPPORTED_DTYPES, dtype_name
+from .ops_base import BFLOAT16, ReduceOp, SUPPORTED_DTYPES, UnsupportedOpError, dtype_name
 from .requests import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN, REDUCESCATTER,
                        GroupHandle, Handle, Request, signature)
 from .negotiation import JOIN_NAME
@@ -105,23 +106,82 @@ def _submit_gpu(kind: str, obj, name: str | None, what: str, engine=None, **sig)
     return req.handle
 
 
-def _check_op(op, what: str, dtype: np.dtype) -> ReduceOp:
-    if op.__class__ is ReduceOp and op != ReduceOp.Adasum and dtype != np.bool_:
+def handle_average_backwards_compatibility(op, average):
+    """Horovod's rule for the deprecated `average=`: `op` wins, never both, default Average."""
+    if op is not None:
+        if average is not None:
+            raise ValueError("The op parameter supersedes average. Please provide only one of "
+                             "them.")
+        return op
+    if average is not None:
+        warnings.warn("Parameter `average` has been replaced with `op` and will be removed",
+                      DeprecationWarning, stacklevel=4)
+        return ReduceOp.Average if average else ReduceOp.Sum
+    return ReduceOp.Average
+
+
+# An allreduce of sparse values (gathered, then divided for Average): a `kind` for resolve_op.
+SPARSE = "sparse"
+# what reducescatter and sparse allreduces can reduce
+_SUM_OR_AVERAGE = (ReduceOp.Average, ReduceOp.Sum)
+
+
+def resolve_op(op, what: str, dtype=None, average=None, kind: str = ALLREDUCE) -> ReduceOp:
+    """The reduction op of a collective, or a clear error: the one rule every binding uses.
+
+    `op`/`average` are Horovod's arguments (average= is deprecated: see
+    handle_average_backwards_compatibility); `dtype` (None: not known yet) checks what the
+    op can reduce; `kind` is ALLREDUCE, or REDUCESCATTER or SPARSE, which accept only
+    Average and Sum.
+    """
+    if op.__class__ is ReduceOp and average is None and kind == ALLREDUCE \
+            and op != ReduceOp.Adasum and dtype != np.bool_:
         return op  # the common case, without the enum's constructor
+    op = handle_average_backwards_compatibility(op, average)
     try:
-        op = ReduceOp(op)
-    except ValueError:
-        raise ValueError(f"{what}: unknown reduction op {op!r}; use Average, Sum, Min, Max "
-                         "or Product") from None
+        op = ReduceOp(int(op))
+    except (TypeError, ValueError):
+        raise ValueError(f"{what}: unknown reduction op {op!r}; use Average, Sum, Min, Max, "
+                         "Product or Adasum") from None
+    if kind != ALLREDUCE and op not in _SUM_OR_AVERAGE:
+        thing = "reducescatter" if kind == REDUCESCATTER else "a sparse allreduce"
+        raise UnsupportedOpError(f"{what}: {thing} supports op=Average or op=Sum only, "
+                                 f"not {op.name}")
     if op == ReduceOp.Adasum:
         if dtype is not None and np.dtype(dtype).kind != "f" and dtype != BFLOAT16:
             raise TypeError(f"{what}: Adasum reduces floating-point arrays only, got "
                             f"{dtype_name(dtype)}")
         return op
-    if dtype == np.bool_:
+    if dtype is not None and dtype == np.bool_:
         raise TypeError(f"{what}: bool arrays cannot be reduced; cast to uint8 (Max = any, "
                         "Min = all)")
     return op
+
+
+def predivide_factors(op, gradient_predivide_factor: float, what: str) -> tuple[float, float]:
+    """(prescale, postscale) for DistributedOptimizer's gradient_predivide_factor f.
+
+    Horovod splits the average: the gradients are scaled by 1/f before the sum and by
+    f/size after it (the engine's Average divides by size), so the result is still the
+    average and fp16 sums overflow less. Only op=Average can be split so.
+    """
+    if gradient_predivide_factor == 1.0:
+        return 1.0, 1.0
+    if op != ReduceOp.Average:
+        raise ValueError(f"{what}: gradient_predivide_factor not supported with op != Average")
+    return 1.0 / gradient_predivide_factor, float(gradient_predivide_factor)
+
+
+def reducescatter_grad_scale(op, prescale_factor: float, postscale_factor: float,
+                             process_set=None) -> float:
+    """The factor on reducescatter's gradient (the allgather of the incoming gradient).
+
+    Horovod treats the op like an allreduce whose backward is the same allreduce of the
+    gradient: Sum multiplies by the number of ranks (of the set), Average by 1, and the
+    pre/postscale factors apply again.
+    """
+    ranks = process_sets.size_of(process_set) if int(op) == int(ReduceOp.Sum) else 1
+    return prescale_factor * postscale_factor * ranks
 
 
 def check_root(root_rank, what: str, set_ranks: list | None = None) -> int:
@@ -251,7 +311,7 @@ def allreduce_async(array, op=ReduceOp.Average, name: str | None = None,
     """Start an allreduce; the result is a new array."""
     engine, _ = process_sets.resolve(process_set, "allreduce")
     a = as_array(array, "allreduce")
-    op = _check_op(op, "allreduce", a.dtype)
+    op = resolve_op(op, "allreduce", a.dtype)
     if op == ReduceOp.Adasum:
         return _adasum_submit(a, name, engine, prescale_factor, postscale_factor, False,
                               "allreduce")
@@ -268,10 +328,10 @@ def allreduce_async_(array, op=ReduceOp.Average, name: str | None = None,
         if op == ReduceOp.Adasum:
             raise NotImplementedError("allreduce_: op=Adasum runs on CPU arrays only in nbdist")
         return _submit_gpu(ALLREDUCE, array, name, "allreduce_", engine=engine,
-                           op=_check_op(op, "allreduce_", None), prescale=prescale_factor,  # type: ignore[arg-type]
+                           op=resolve_op(op, "allreduce_"), prescale=prescale_factor,  # type: ignore[arg-type]
                            postscale=postscale_factor)
     a = as_array(array, "allreduce_", inplace=True)
-    op = _check_op(op, "allreduce_", a.dtype)
+    op = resolve_op(op, "allreduce_", a.dtype)
     if op == ReduceOp.Adasum:
         return _adasum_submit(a, name, engine, prescale_factor, postscale_factor, True,
                               "allreduce_")
@@ -417,9 +477,7 @@ def reducescatter_async(array, op=ReduceOp.Average, name: str | None = None,
     a = as_array(array, "reducescatter")
     if a.ndim == 0:
         raise ValueError("reducescatter needs an array with at least one dimension")
-    op = _check_op(op, "reducescatter", a.dtype)
-    if op == ReduceOp.Adasum:
-        raise NotImplementedError("reducescatter does not support op=Adasum (nor does Horovod)")
+    op = resolve_op(op, "reducescatter", a.dtype, kind=REDUCESCATTER)
     return _submit(REDUCESCATTER, a, name, engine=engine, op=op, prescale=prescale_factor,
                    postscale=postscale_factor)
 

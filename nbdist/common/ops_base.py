@@ -17,6 +17,15 @@ class ReduceOp(enum.IntEnum):
     Product = 5
 
 
+class UnsupportedOpError(ValueError, NotImplementedError):
+    """A reduction op that this kind of collective does not support (reducescatter or a
+    sparse allreduce with Min, Max, Product or Adasum).
+
+    Both a ValueError and a NotImplementedError: Horovod's torch and TensorFlow bindings
+    raise these two for the same refusal, and code written for either catches it.
+    """
+
+
 Average = ReduceOp.Average
 Sum = ReduceOp.Sum
 Adasum = ReduceOp.Adasum

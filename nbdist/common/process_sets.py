@@ -196,6 +196,50 @@ def shutdown_process_sets() -> None:
             topology.free()
 
 
+def by_id(process_set_id: int, what: str) -> ProcessSet:
+    """The registered process set with this id (0: the global set), or a ValueError."""
+    if process_set_id == 0:
+        return global_process_set
+    entry = _sets.get(process_set_id)
+    if entry is None:
+        raise ValueError(f"{what}: no process set with id {process_set_id} is registered")
+    return entry[0]
+
+
+def is_global(process_set) -> bool:
+    """True for the global set (None, global_process_set, or a copy with id 0)."""
+    return process_set is None or process_set is global_process_set or \
+        getattr(process_set, "process_set_id", None) == 0
+
+
+def is_member(process_set) -> bool:
+    """True when this rank belongs to `process_set` (None and the global set: always).
+
+    A rank outside a DistributedOptimizer's (or tape's) set keeps its own gradients,
+    as in Horovod.
+    """
+    return is_global(process_set) or bool(process_set.included())
+
+
+def size_of(process_set) -> int:
+    """The number of ranks an op on `process_set` (None: the global set) runs over."""
+    from . import basics
+
+    return basics.size() if is_global(process_set) else len(process_set.ranks or [])
+
+
+def rank_in(process_set) -> int:
+    """This rank's index among the ranks of `process_set` (None: the global set).
+
+    Call it only on a member (ops on a set have been resolve()d first).
+    """
+    from . import basics
+
+    if is_global(process_set):
+        return basics.rank()
+    return list(process_set.ranks or []).index(basics.rank())
+
+
 def resolve(process_set, what: str):
     """(engine, set ranks) for an op on `process_set` (None: the global set); clear errors
     for a set that is not registered or does not hold this rank."""
@@ -206,7 +250,7 @@ def resolve(process_set, what: str):
     if not isinstance(process_set, ProcessSet):
         raise TypeError(f"{what}: process_set must be a ProcessSet, got "
                         f"{type(process_set).__name__}")
-    if process_set.process_set_id == 0:
+    if is_global(process_set):
         return basics.engine(), None
     entry = _sets.get(process_set.process_set_id) if process_set.process_set_id else None
     if entry is None:

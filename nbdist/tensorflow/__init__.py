@@ -18,7 +18,8 @@ from .functions import (allgather_object, broadcast_global_variables,  # noqa: E
                         broadcast_object, broadcast_object_fn, broadcast_variables)
 from .mpi_ops import (allgather, allreduce, alltoall, broadcast, broadcast_,  # noqa: E402
                       grouped_allgather, grouped_allreduce, grouped_reducescatter,
-                      local_rank_op, local_size_op, rank_op, reducescatter, size_op)
+                      local_rank_op, local_size_op, process_set_included_op, rank_op,
+                      reducescatter, size_op)
 from .optimizer import DistributedOptimizer  # noqa: E402
 from .tape import DistributedGradientTape, PartialDistributedGradientTape  # noqa: E402
 from .sync_batch_norm import SyncBatchNormalization  # noqa: E402

@@ -14,10 +14,11 @@ from __future__ import annotations
 import tensorflow as tf
 
 from nbdist import common as _c
+from nbdist.common import process_sets as _ps
 
 from . import _bridge, _naming
 from .compression import Compression
-from .mpi_ops import resolve_op
+from .mpi_ops import check_process_set
 
 _MARK = "_nbdist_reduced"
 
@@ -37,31 +38,26 @@ def is_reduced(grad) -> bool:
     return bool(getattr(grad, _MARK, False))
 
 
-def _scale_factors(op, gradient_predivide_factor, what):
-    if gradient_predivide_factor == 1.0:
-        return 1.0, 1.0
-    if int(op) != int(_c.Average):
-        raise ValueError(f"{what}: gradient_predivide_factor needs op=Average")
-    # Divide before summing (less overflow in fp16), the rest after: the result is still
-    # the average.
-    return 1.0 / gradient_predivide_factor, gradient_predivide_factor
-
-
 def reduce_gradients(grads, variables, prefix: str, op=None, compression=Compression.none,
-                     sparse_as_dense=False, gradient_predivide_factor=1.0) -> list:
+                     sparse_as_dense=False, gradient_predivide_factor=1.0,
+                     process_set=None) -> list:
     """The gradients averaged (or `op`-reduced) over ranks, in the order given; None stays None.
 
     `variables` name the ops (one per gradient); `prefix` tells apart the callers, e.g.
-    "DistributedGradientTape" and "DistributedOptimizer".
+    "DistributedGradientTape" and "DistributedOptimizer". With a `process_set` the
+    gradients are reduced over its ranks; a rank outside it keeps its own (as Horovod).
     """
-    op = resolve_op(op, None, prefix)
+    op = _c.ops.resolve_op(op, prefix)
     grads = list(grads)
     variables = list(variables) if variables is not None else [None] * len(grads)
     if len(variables) != len(grads):
         raise ValueError(f"{prefix}: {len(grads)} gradients for {len(variables)} variables")
-    if _c.size() == 1:
+    if not _ps.is_member(process_set):
+        return grads
+    ps = None if process_set is None else check_process_set(process_set, prefix)
+    if _ps.size_of(ps) == 1:
         return [mark_reduced(g) for g in grads]
-    prescale, postscale = _scale_factors(op, gradient_predivide_factor, prefix)
+    prescale, postscale = _c.ops.predivide_factors(op, gradient_predivide_factor, prefix)
     names = [f"{prefix}.{n}" for n in _naming.variable_names(variables)]
 
     dense_at, sparse_at, inputs, contexts = [], [], [], []
@@ -78,6 +74,9 @@ def reduce_gradients(grads, variables, prefix: str, op=None, compression=Compres
         dense_at.append(i)
         inputs.append(compressed)
         contexts.append(ctx)
+    if sparse_at:  # tf.IndexedSlices are gathered: Average or Sum only (Adasum needs dense)
+        _c.ops.resolve_op(op, f"{prefix} (sparse gradient; pass sparse_as_dense=True)",
+                          kind=_c.ops.SPARSE)
     for i in sparse_at:
         inputs.extend([grads[i].values, grads[i].indices])
     if not inputs:
@@ -90,9 +89,9 @@ def reduce_gradients(grads, variables, prefix: str, op=None, compression=Compres
 
     def submit(*arrays):
         handles = [_c.allreduce_async(a, op=op, name=n, prescale_factor=prescale,
-                                      postscale_factor=postscale)
+                                      postscale_factor=postscale, process_set=ps)
                    for a, n in zip(arrays[:n_dense], op_names[:n_dense])]
-        handles += [_c.allgather_async(a, name=n)
+        handles += [_c.allgather_async(a, name=n, process_set=ps)
                     for a, n in zip(arrays[n_dense:], op_names[n_dense:])]
         return lambda: [_c.synchronize(h) for h in handles]
 
@@ -104,7 +103,7 @@ def reduce_gradients(grads, variables, prefix: str, op=None, compression=Compres
     result = list(grads)
     for k, i in enumerate(dense_at):
         result[i] = compression.decompress(outputs[k], contexts[k])
-    sparse_scale = prescale * postscale / (_c.size() if int(op) == int(_c.Average) else 1)
+    sparse_scale = prescale * postscale / (_ps.size_of(ps) if int(op) == int(_c.Average) else 1)
     for k, i in enumerate(sparse_at):
         values, indices = outputs[n_dense + 2 * k], outputs[n_dense + 2 * k + 1]
         if sparse_scale != 1.0:

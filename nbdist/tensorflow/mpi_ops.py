@@ -15,6 +15,8 @@ import numpy as np
 import tensorflow as tf
 
 from nbdist import common as _c
+from nbdist.common import ops as _ops
+from nbdist.common import process_sets as _ps
 
 from . import _bridge, _naming
 from .compression import Compression
@@ -25,22 +27,17 @@ _DIFFERENTIABLE_REDUCTIONS = (int(_c.Average), int(_c.Sum))
 
 
 # -- argument handling ---------------------------------------------------------------------
-def resolve_op(op, average, what: str):
-    """Horovod's `average=` (deprecated) and `op=` arguments to one reduction op."""
-    if op is not None and average is not None:
-        raise ValueError(f"{what}: pass either op= or the deprecated average=, not both")
-    if op is None:
-        op = Average if average is None or average else Sum
-    if int(op) == int(Adasum):
-        raise NotImplementedError(f"{what}: op=Adasum is not supported by nbdist; use Average")
-    return _c.ReduceOp(int(op))
+def check_process_set(process_set, what: str):
+    """The op's process set (None for the global one), checked by nbdist.common.
 
-
-def check_process_set(process_set, what: str) -> None:
-    """nbdist has one process set, the global one."""
-    if process_set is not None and getattr(process_set, "process_set_id", 0) not in (0, None):
-        raise NotImplementedError(f"{what}: process sets other than the global one are not "
-                                  "supported by nbdist")
+    A set that is not registered, or does not hold this rank, is Horovod's
+    InvalidArgumentError (also a ValueError), raised when the op is built.
+    """
+    try:
+        _ps.resolve(process_set, what)
+    except (ValueError, TypeError) as exc:
+        raise _bridge.tf_error(exc) from None
+    return None if _ps.is_global(process_set) else process_set
 
 
 def _tensor(value, what: str) -> tf.Tensor:
@@ -66,10 +63,10 @@ def _check_grad_op(op, what: str) -> None:
 
 
 # -- raw steps (no gradient) ----------------------------------------------------------------
-def _raw_allreduce(tensors, op, prescale, postscale, names) -> list:
+def _raw_allreduce(tensors, op, prescale, postscale, names, ps=None) -> list:
     def submit(*arrays):
         handles = [_c.allreduce_async(a, op=op, name=n, prescale_factor=prescale,
-                                      postscale_factor=postscale)
+                                      postscale_factor=postscale, process_set=ps)
                    for a, n in zip(arrays, names)]
         return lambda: [_c.synchronize(h) for h in handles]
 
@@ -77,29 +74,30 @@ def _raw_allreduce(tensors, op, prescale, postscale, names) -> list:
                        f"allreduce {names[0]!r}")
 
 
-def _raw_allgather(tensors, names) -> list:
+def _raw_allgather(tensors, names, ps=None) -> list:
     def submit(*arrays):
-        handles = [_c.allgather_async(a, name=n) for a, n in zip(arrays, names)]
+        handles = [_c.allgather_async(a, name=n, process_set=ps) for a, n in zip(arrays, names)]
         return lambda: [_c.synchronize(h) for h in handles]
 
     return _bridge.run(submit, tensors, [t.dtype for t in tensors],
                        [_rows_shape(t) for t in tensors], f"allgather {names[0]!r}")
 
 
-def _raw_broadcast(tensors, root_rank, names) -> list:
+def _raw_broadcast(tensors, root_rank, names, ps=None) -> list:
     def submit(*arrays):
-        handles = [_c.broadcast_async(a, root_rank, name=n) for a, n in zip(arrays, names)]
+        handles = [_c.broadcast_async(a, root_rank, name=n, process_set=ps)
+                   for a, n in zip(arrays, names)]
         return lambda: [_c.synchronize(h) for h in handles]
 
     return _bridge.run(submit, tensors, [t.dtype for t in tensors], _same_shape(tensors),
                        f"broadcast {names[0]!r}")
 
 
-def _raw_alltoall(tensor, splits, name):
+def _raw_alltoall(tensor, splits, name, ps=None):
     inputs = [tensor] if splits is None else [tensor, splits]
 
     def submit(array, split_array=None):
-        handle = _c.alltoall_async(array, splits=split_array, name=name)
+        handle = _c.alltoall_async(array, splits=split_array, name=name, process_set=ps)
 
         def wait():
             received, received_splits = _c.synchronize(handle)
@@ -107,7 +105,7 @@ def _raw_alltoall(tensor, splits, name):
         return wait
 
     out, received_splits = _bridge.run(submit, inputs, [tensor.dtype, tf.int32],
-                                       [_rows_shape(tensor), tf.TensorShape([_c.size()])],
+                                       [_rows_shape(tensor), tf.TensorShape([_ps.size_of(ps)])],
                                        f"alltoall {name!r}")
     return out, received_splits
 
@@ -117,29 +115,29 @@ def _share(rows, size, rank):
     return None if rows is None else rows // size + (1 if rank < rows % size else 0)
 
 
-def _raw_reducescatter(tensor, op, prescale, postscale, name):
+def _raw_reducescatter(tensor, op, prescale, postscale, name, ps=None):
     def submit(array):
         handle = _c.reducescatter_async(array, op=op, name=name, prescale_factor=prescale,
-                                        postscale_factor=postscale)
+                                        postscale_factor=postscale, process_set=ps)
         return lambda: [_c.synchronize(handle)]
 
     rows = tensor.shape[0] if tensor.shape.rank else None
-    shape = _rows_shape(tensor, _share(rows, _c.size(), _c.rank()))
+    shape = _rows_shape(tensor, _share(rows, _ps.size_of(ps), _ps.rank_in(ps)))
     return _bridge.run(submit, [tensor], [tensor.dtype], [shape], f"reducescatter {name!r}")[0]
 
 
 # -- differentiable collectives -------------------------------------------------------------
-def _allreduce_dense(tensors, op, prescale, postscale, names) -> list:
+def _allreduce_dense(tensors, op, prescale, postscale, names, ps=None) -> list:
     @tf.custom_gradient
     def reduce(*xs):
-        ys = _raw_allreduce(list(xs), op, prescale, postscale, names)
+        ys = _raw_allreduce(list(xs), op, prescale, postscale, names, ps)
 
         def grad(*dys):
             _check_grad_op(op, "allreduce")
             dys = [tf.zeros_like(x) if dy is None else tf.convert_to_tensor(dy)
                    for x, dy in zip(xs, dys)]
             return _allreduce_dense(dys, op, prescale, postscale,
-                                    [_naming.derived(n, "grad") for n in names])
+                                    [_naming.derived(n, "grad") for n in names], ps)
         return ys, grad
 
     out = reduce(*tensors)
@@ -148,23 +146,21 @@ def _allreduce_dense(tensors, op, prescale, postscale, names) -> list:
 
 def _check_sparse(op, prescale, postscale) -> None:
     """What Horovod refuses for tf.IndexedSlices, before anything is sent."""
-    if int(op) not in _DIFFERENTIABLE_REDUCTIONS:
-        raise NotImplementedError(f"allreduce of tf.IndexedSlices supports Average and Sum, "
-                                  f"not {_c.ReduceOp(int(op)).name}")
+    _ops.resolve_op(op, "allreduce of tf.IndexedSlices", kind=_ops.SPARSE)
     if prescale != 1.0 or postscale != 1.0:
         raise NotImplementedError("prescale_factor/postscale_factor are not supported with "
                                   "tf.IndexedSlices (as in Horovod)")
 
 
-def _allreduce_sparse(slices: tf.IndexedSlices, op, prescale, postscale, name):
+def _allreduce_sparse(slices: tf.IndexedSlices, op, prescale, postscale, name, ps=None):
     """An allreduce of IndexedSlices: allgather values and indices (Horovod's way)."""
     _check_sparse(op, prescale, postscale)
     values, indices = _raw_allgather([slices.values, slices.indices],
                                      [_naming.derived(name, "values"),
-                                      _naming.derived(name, "indices")])
+                                      _naming.derived(name, "indices")], ps)
     if int(op) == int(Average):
         # TF's division: integer values become float64 (uint8 / 2 is not rounded to 0)
-        values = values / tf.cast(_c.size(), values.dtype)
+        values = values / tf.cast(_ps.size_of(ps), values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
 
@@ -172,15 +168,15 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="",
               compression=Compression.none, op=None, prescale_factor=1.0, postscale_factor=1.0,
               name=None, process_set=None, ignore_name_scope=False):
     """Reduce a tensor (or tf.IndexedSlices) over all ranks; Average by default."""
-    op = resolve_op(op, average, "allreduce")
-    check_process_set(process_set, "allreduce")
+    op = _ops.resolve_op(op, "allreduce", average=average)
+    ps = check_process_set(process_set, "allreduce")
     if isinstance(tensor, tf.IndexedSlices):
         return _allreduce_sparse(tensor, op, prescale_factor, postscale_factor,
-                                 _naming.default_name("Allgather", tensor.values, name))
+                                 _naming.default_name("Allgather", tensor.values, name), ps)
     tensor = tf.convert_to_tensor(tensor)
     compressed, ctx = compression.compress(tensor)
     reduced = _allreduce_dense([compressed], op, prescale_factor, postscale_factor,
-                               [_naming.default_name("Allreduce", tensor, name)])[0]
+                               [_naming.default_name("Allreduce", tensor, name)], ps)[0]
     return compression.decompress(reduced, ctx)
 
 
@@ -188,8 +184,8 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
                       compression=Compression.none, op=None, prescale_factor=1.0,
                       postscale_factor=1.0, name=None, process_set=None):
     """Reduce a list of tensors over all ranks in one fused step; returns a list."""
-    op = resolve_op(op, average, "grouped_allreduce")
-    check_process_set(process_set, "grouped_allreduce")
+    op = _ops.resolve_op(op, "grouped_allreduce", average=average)
+    ps = check_process_set(process_set, "grouped_allreduce")
     tensors = list(tensors)
     if not tensors:
         return []
@@ -204,13 +200,13 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
     for i, t in enumerate(tensors):
         if isinstance(t, tf.IndexedSlices):
             results[i] = _allreduce_sparse(t, op, prescale_factor, postscale_factor,
-                                           _naming.derived(name, f"sparse{i}"))
+                                           _naming.derived(name, f"sparse{i}"), ps)
     if dense_at:
         dense = [tf.convert_to_tensor(tensors[i]) for i in dense_at]
         packed = [compression.compress(t) for t in dense]
         names = [_naming.derived(_naming.clean(name) if name else None, str(i)) for i in dense_at]
         reduced = _allreduce_dense([p for p, _ in packed], op, prescale_factor,
-                                   postscale_factor, names)
+                                   postscale_factor, names, ps)
         for i, r, (_, ctx) in zip(dense_at, reduced, packed):
             results[i] = compression.decompress(r, ctx)
     return results
@@ -218,20 +214,20 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
 
 def allgather(tensor, name=None, ignore_name_scope=False, process_set=None):
     """Concatenate every rank's tensor along the first dimension (which may differ)."""
-    check_process_set(process_set, "allgather")
+    ps = check_process_set(process_set, "allgather")
     tensor = _tensor(tensor, "allgather")
     op_name = _naming.default_name("Allgather", tensor, name)
 
     @tf.custom_gradient
     def gather(x):
-        y = _raw_allgather([x], [op_name])[0]
+        y = _raw_allgather([x], [op_name], ps)[0]
 
         def grad(dy):
             dy = _allreduce_dense([tf.convert_to_tensor(dy)], Average, 1.0, 1.0,
-                                  [_naming.derived(op_name, "grad")])[0]
+                                  [_naming.derived(op_name, "grad")], ps)[0]
             rows = tf.reshape(tf.shape(x, out_type=tf.int64)[0], [1])
-            all_rows = _raw_allgather([rows], [_naming.derived(op_name, "grad.rows")])[0]
-            return tf.split(dy, all_rows, num=_c.size(), axis=0)[_c.rank()]
+            all_rows = _raw_allgather([rows], [_naming.derived(op_name, "grad.rows")], ps)[0]
+            return tf.split(dy, all_rows, num=_ps.size_of(ps), axis=0)[_ps.rank_in(ps)]
         return y, grad
 
     return gather(tensor)
@@ -239,17 +235,17 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=None):
 
 def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set=None):
     """root_rank's tensor on every rank."""
-    check_process_set(process_set, "broadcast")
+    ps = check_process_set(process_set, "broadcast")
     tensor = _tensor(tensor, "broadcast")
     op_name = _naming.default_name("Broadcast", tensor, name)
 
     @tf.custom_gradient
     def bcast(x):
-        y = _raw_broadcast([x], root_rank, [op_name])[0]
+        y = _raw_broadcast([x], root_rank, [op_name], ps)[0]
 
         def grad(dy):
             reduced = _allreduce_dense([tf.convert_to_tensor(dy)], Average, 1.0, 1.0,
-                                       [_naming.derived(op_name, "grad")])[0]
+                                       [_naming.derived(op_name, "grad")], ps)[0]
             if _c.rank() == root_rank:
                 return reduced
             # zeros_like alone would not run the allreduce in a graph (its shape is
@@ -266,18 +262,18 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
 
     As in Horovod, the received splits come back only when `splits` was given.
     """
-    check_process_set(process_set, "alltoall")
+    ps = check_process_set(process_set, "alltoall")
     tensor = _tensor(tensor, "alltoall")
     op_name = _naming.default_name("Alltoall", tensor, name)
     split_tensor = None if splits is None else tf.cast(tf.convert_to_tensor(splits), tf.int32)
 
     @tf.custom_gradient
     def exchange(x):
-        out, received = _raw_alltoall(x, split_tensor, op_name)
+        out, received = _raw_alltoall(x, split_tensor, op_name, ps)
 
         def grad(dy, _dsplits=None):
             dy = tf.convert_to_tensor(dy)
-            back, _ = _raw_alltoall(dy, received, _naming.derived(op_name, "grad"))
+            back, _ = _raw_alltoall(dy, received, _naming.derived(op_name, "grad"), ps)
             return back
         return (out, received), grad
 
@@ -288,22 +284,22 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
 def reducescatter(tensor, op=None, name=None, ignore_name_scope=False, process_set=None,
                   prescale_factor=1.0, postscale_factor=1.0, average=None):
     """Reduce over ranks, then give rank r its share of the first dimension."""
-    op = resolve_op(op, average, "reducescatter")
-    check_process_set(process_set, "reducescatter")
+    op = _ops.resolve_op(op, "reducescatter", average=average, kind=_ops.REDUCESCATTER)
+    ps = check_process_set(process_set, "reducescatter")
     tensor = _tensor(tensor, "reducescatter")
     op_name = _naming.default_name("Reducescatter", tensor, name)
 
     @tf.custom_gradient
     def scatter(x):
-        y = _raw_reducescatter(x, op, prescale_factor, postscale_factor, op_name)
+        y = _raw_reducescatter(x, op, prescale_factor, postscale_factor, op_name, ps)
 
         def grad(dy):
             _check_grad_op(op, "reducescatter")
             dy = tf.convert_to_tensor(dy)
-            scale = prescale_factor * postscale_factor * (_c.size() if int(op) == int(Sum) else 1)
+            scale = _ops.reducescatter_grad_scale(op, prescale_factor, postscale_factor, ps)
             if scale != 1.0:
                 dy = dy * tf.cast(scale, dy.dtype)
-            return _raw_allgather([dy], [_naming.derived(op_name, "grad")])[0]
+            return _raw_allgather([dy], [_naming.derived(op_name, "grad")], ps)[0]
         return y, grad
 
     return scatter(tensor)
@@ -314,7 +310,7 @@ def broadcast_(variables, root_rank, name=None, process_set=None):
     from .functions import broadcast_variables
 
     variables = list(variables)
-    group = broadcast_variables(variables, root_rank, name=name)
+    group = broadcast_variables(variables, root_rank, process_set=process_set, name=name)
     if group is None:  # eager: done
         return [tf.convert_to_tensor(v) for v in variables]
     # in a graph the values returned must be read after the assignments
@@ -325,7 +321,7 @@ def broadcast_(variables, root_rank, name=None, process_set=None):
 
 def grouped_allgather(tensors, name=None, process_set=None):
     """Allgather each tensor of a list; all are submitted before any is waited on."""
-    check_process_set(process_set, "grouped_allgather")
+    ps = check_process_set(process_set, "grouped_allgather")
     tensors = [_tensor(t, "grouped_allgather") for t in tensors]
     if not tensors:
         return []
@@ -336,15 +332,15 @@ def grouped_allgather(tensors, name=None, process_set=None):
 
     @tf.custom_gradient
     def gather(*xs):
-        ys = _raw_allgather(list(xs), names)
+        ys = _raw_allgather(list(xs), names, ps)
 
         def grad(*dys):
             dys = [tf.convert_to_tensor(dy) for dy in dys]
             averaged = _allreduce_dense(dys, Average, 1.0, 1.0,
-                                        [_naming.derived(n, "grad") for n in names])
+                                        [_naming.derived(n, "grad") for n in names], ps)
             rows = [tf.reshape(tf.shape(x, out_type=tf.int64)[0], [1]) for x in xs]
-            all_rows = _raw_allgather(rows, [_naming.derived(n, "grad.rows") for n in names])
-            return [tf.split(dy, r, num=_c.size(), axis=0)[_c.rank()]
+            all_rows = _raw_allgather(rows, [_naming.derived(n, "grad.rows") for n in names], ps)
+            return [tf.split(dy, r, num=_ps.size_of(ps), axis=0)[_ps.rank_in(ps)]
                     for dy, r in zip(averaged, all_rows)]
         return ys, grad
 
@@ -355,8 +351,9 @@ def grouped_allgather(tensors, name=None, process_set=None):
 def grouped_reducescatter(tensors, op=None, name=None, process_set=None, prescale_factor=1.0,
                           postscale_factor=1.0, average=None):
     """Reducescatter each tensor of a list; all are submitted before any is waited on."""
-    op = resolve_op(op, average, "grouped_reducescatter")
-    check_process_set(process_set, "grouped_reducescatter")
+    op = _ops.resolve_op(op, "grouped_reducescatter", average=average,
+                          kind=_ops.REDUCESCATTER)
+    ps = check_process_set(process_set, "grouped_reducescatter")
     tensors = [_tensor(t, "grouped_reducescatter") for t in tensors]
     if not tensors:
         return []
@@ -369,13 +366,13 @@ def grouped_reducescatter(tensors, op=None, name=None, process_set=None, prescal
                 f"{len(tensors)}")
     names = [_naming.derived(_naming.clean(name) if name else None, str(i))
              for i in range(len(tensors))]
-    size, rank = _c.size(), _c.rank()
+    size, rank = _ps.size_of(ps), _ps.rank_in(ps)
 
     @tf.custom_gradient
     def scatter(*xs):
         def submit(*arrays):
             handles = [_c.reducescatter_async(a, op=op, name=n, prescale_factor=prescale_factor,
-                                              postscale_factor=postscale_factor)
+                                              postscale_factor=postscale_factor, process_set=ps)
                        for a, n in zip(arrays, names)]
             return lambda: [_c.synchronize(h) for h in handles]
 
@@ -386,11 +383,11 @@ def grouped_reducescatter(tensors, op=None, name=None, process_set=None, prescal
 
         def grad(*dys):
             _check_grad_op(op, "grouped_reducescatter")
-            scale = prescale_factor * postscale_factor * (size if int(op) == int(Sum) else 1)
+            scale = _ops.reducescatter_grad_scale(op, prescale_factor, postscale_factor, ps)
             dys = [tf.convert_to_tensor(dy) for dy in dys]
             if scale != 1.0:
                 dys = [dy * tf.cast(scale, dy.dtype) for dy in dys]
-            return _raw_allgather(dys, [_naming.derived(n, "grad") for n in names])
+            return _raw_allgather(dys, [_naming.derived(n, "grad") for n in names], ps)
         return ys, grad
 
     out = scatter(*tensors)
@@ -422,14 +419,15 @@ def local_rank_op(name=None):
 
 def size_op(process_set_id=0, name=None):
     """The number of ranks (of a process set), as an int32 tensor."""
-    if process_set_id:
-        from nbdist.common import process_sets as _ps
+    process_set = _ps.by_id(process_set_id, "size_op")
+    return _topology_op(lambda: _ps.size_of(process_set), name or "HorovodSize")
 
-        entry = _ps._sets.get(process_set_id)
-        if entry is None:
-            raise ValueError(f"size_op: no process set with id {process_set_id}")
-        return _topology_op(lambda: len(entry[0].ranks), name or "HorovodSize")
-    return _topology_op(_c.size, name or "HorovodSize")
+
+def process_set_included_op(process_set_id=0, name=None):
+    """1 if this rank belongs to the process set with this id, else 0 (an int32 tensor)."""
+    process_set = _ps.by_id(process_set_id, "process_set_included_op")
+    return _topology_op(lambda: int(_ps.is_member(process_set)),
+                        name or "HorovodProcessSetIncluded")
 
 
 def local_size_op(name=None):

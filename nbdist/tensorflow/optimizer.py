@@ -36,6 +36,7 @@ class _Options:
     compression: type = Compression.none
     sparse_as_dense: bool = False
     gradient_predivide_factor: float = 1.0
+    process_set: object = None
 
 
 def _reduce(optimizer, grads: list, variables: list) -> list:
@@ -47,7 +48,8 @@ def _reduce(optimizer, grads: list, variables: list) -> list:
     reduced = reduce_gradients([grads[i] for i in todo], [variables[i] for i in todo],
                                options.prefix, op=options.op, compression=options.compression,
                                sparse_as_dense=options.sparse_as_dense,
-                               gradient_predivide_factor=options.gradient_predivide_factor)
+                               gradient_predivide_factor=options.gradient_predivide_factor,
+                               process_set=options.process_set)
     grads = list(grads)
     for i, g in zip(todo, reduced):
         grads[i] = g
@@ -136,9 +138,12 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     optimizer that already has state (built, or stepped) is made distributed in place
     so that its state survives. `name` prefixes the op names.
     """
+    from nbdist.common import process_sets as _ps
+
     from .mpi_ops import check_process_set
 
-    check_process_set(process_set, "DistributedOptimizer")
+    if _ps.is_member(process_set):
+        check_process_set(process_set, "DistributedOptimizer")
     if backward_passes_per_step != 1:
         raise NotImplementedError(
             "DistributedOptimizer: backward_passes_per_step > 1 is not supported; with Keras 3 "
@@ -146,7 +151,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     _check_keras_optimizer(optimizer)
     options = _Options(prefix=name or "DistributedOptimizer", op=op, compression=compression,
                        sparse_as_dense=sparse_as_dense,
-                       gradient_predivide_factor=gradient_predivide_factor)
+                       gradient_predivide_factor=gradient_predivide_factor,
+                       process_set=process_set)
     if getattr(optimizer, "_nbdist_distributed", False) or _has_state(optimizer):
         return wrap_in_place(optimizer, options)
     cls = distributed_class(type(optimizer))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from nbdist import common as _c
+from nbdist.common import process_sets as _ps
 
 from .compression import Compression
 from .gradients import reduce_gradients
@@ -25,7 +25,8 @@ def _distributed_class(base: type) -> type:
             reduced = iter(reduce_gradients([g for g, _ in shared], [v for _, v in shared],
                                             self._nbdist_prefix, **self._nbdist_options)
                            if shared else [])
-            size = _c.size()
+            process_set = self._nbdist_options["process_set"]
+            size = _ps.size_of(process_set) if _ps.is_member(process_set) else 1
             out_local, out_global = [], []
             for g, loc in zip(flat_grads, local):
                 if loc:
@@ -83,7 +84,8 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="",
     """
     from .mpi_ops import check_process_set
 
-    check_process_set(process_set, "DistributedGradientTape")
+    if _ps.is_member(process_set):
+        check_process_set(process_set, "DistributedGradientTape")
     if getattr(gradtape, "_nbdist_distributed", False):
         return gradtape
     cls = _distributed_class(type(gradtape))
@@ -91,7 +93,8 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="",
     tape.__dict__.update(gradtape.__dict__)  # the same recorded tape, not a copy of it
     tape._nbdist_prefix = name
     tape._nbdist_options = dict(op=op, compression=compression, sparse_as_dense=sparse_as_dense,
-                                gradient_predivide_factor=gradient_predivide_factor)
+                                gradient_predivide_factor=gradient_predivide_factor,
+                                process_set=process_set)
     tape._nbdist_local = set()  # id() of sources whose gradients stay on this rank
     tape._nbdist_scale_local = scale_local_gradients
     return tape

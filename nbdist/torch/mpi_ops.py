@@ -8,12 +8,13 @@ differentiable, with the gradients Horovod defines.
 """
 from __future__ import annotations
 
-import warnings
 from typing import Callable, Sequence
 
 import torch
 
 from nbdist import common as _c
+from nbdist.common.ops import (REDUCESCATTER, SPARSE,  # noqa: F401 (handle_... re-exported)
+                               handle_average_backwards_compatibility, resolve_op)
 from nbdist.common.ops_base import Adasum, Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401 (re-exported)
 
 from . import tensor_util as _tu
@@ -72,36 +73,8 @@ def synchronize(handle):
     return _c.synchronize(handle)
 
 
-def handle_average_backwards_compatibility(op, average):
-    """Horovod's rule for the deprecated `average` argument: op wins, never both."""
-    if op is not None:
-        if average is not None:
-            raise ValueError("The op parameter supersedes average. Please provide only one of them.")
-        return op
-    if average is not None:
-        warnings.warn("Parameter `average` has been replaced with `op` and will be removed",
-                      DeprecationWarning, stacklevel=3)
-        return Average if average else Sum
-    return Average
-
-
-def _reduce_op(op, average, what: str) -> ReduceOp:
-    op = handle_average_backwards_compatibility(op, average)
-    try:
-        op = ReduceOp(int(op))
-    except (TypeError, ValueError):
-        raise ValueError(f"{what}: unknown reduction op {op!r}; use hvd.Average, hvd.Sum, "
-                         "hvd.Min, hvd.Max or hvd.Product") from None
-    return op
-
-
-def _set_size(ps) -> int:
-    """Ranks in the op's process set (the world for the global set)."""
-    return _c.size() if ps is None or ps is global_process_set else ps.size()
-
-
-def _set_rank(ps) -> int:
-    return _c.rank() if ps is None or ps is global_process_set else ps.rank()
+_set_size = _c.process_sets.size_of
+_set_rank = _c.process_sets.rank_in
 
 
 def _to_result(like: torch.Tensor) -> Callable:
@@ -143,7 +116,7 @@ def _allreduce_submit(tensor, name, op, prescale_factor, postscale_factor, ps=No
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                     postscale_factor=1.0, process_set=global_process_set) -> Handle:
     """Start averaging (or reducing with `op`) `tensor` over all ranks; the input is not changed."""
-    op = _reduce_op(op, average, "allreduce_async")
+    op = resolve_op(op, "allreduce_async", average=average)
     ps = check_process_set(process_set, "allreduce_async")
     return _allreduce_submit(tensor, name, op, prescale_factor, postscale_factor, ps)
 
@@ -151,7 +124,7 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                      postscale_factor=1.0, process_set=global_process_set) -> Handle:
     """Start an in-place allreduce: `tensor` holds the result once synchronize() returns."""
-    op = _reduce_op(op, average, "allreduce_async_")
+    op = resolve_op(op, "allreduce_async_", average=average)
     ps = check_process_set(process_set, "allreduce_async_")
     return _inplace(tensor, "allreduce_async_", True, lambda buf: _c.allreduce_async_(
         buf, op=op, name=name, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
@@ -184,7 +157,7 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
               prescale_factor=1.0, postscale_factor=1.0,
               process_set=global_process_set) -> torch.Tensor:
     """Average (or reduce with `op`) `tensor` over all ranks into a new tensor; differentiable."""
-    op = _reduce_op(op, average, "allreduce")
+    op = resolve_op(op, "allreduce", average=average)
     ps = check_process_set(process_set, "allreduce")
     compressed, ctx = compression.compress(tensor)
     reduced = _Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor, ps)
@@ -227,7 +200,7 @@ def _grouped_submit(tensors, name, op, prescale_factor, postscale_factor, ps=Non
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                             postscale_factor=1.0, process_set=global_process_set) -> Handle:
     """Start one allreduce over a list of tensors; synchronize() returns a list of new tensors."""
-    op = _reduce_op(op, average, "grouped_allreduce_async")
+    op = resolve_op(op, "grouped_allreduce_async", average=average)
     ps = check_process_set(process_set, "grouped_allreduce_async")
     return _grouped_submit(tensors, name, op, prescale_factor, postscale_factor, ps)
 
@@ -235,7 +208,7 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=global_process_set) -> Handle:
     """Start an in-place grouped allreduce: each tensor holds its result after synchronize()."""
-    op = _reduce_op(op, average, "grouped_allreduce_async_")
+    op = resolve_op(op, "grouped_allreduce_async_", average=average)
     ps = check_process_set(process_set, "grouped_allreduce_async_")
     tensors = _check_group(tensors, "grouped_allreduce_async_")
     if any(_tu.gpu_direct(t) for t in tensors):  # the NCCL path reduces one tensor at a time
@@ -283,7 +256,7 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
                       prescale_factor=1.0, postscale_factor=1.0,
                       process_set=global_process_set) -> list:
     """Allreduce a list of tensors as one op (fused); returns new tensors; differentiable."""
-    op = _reduce_op(op, average, "grouped_allreduce")
+    op = resolve_op(op, "grouped_allreduce", average=average)
     ps = check_process_set(process_set, "grouped_allreduce")
     tensors = _check_group(tensors, "grouped_allreduce")
     compressed, ctxs = zip(*[compression.compress(t) for t in tensors])
@@ -321,9 +294,7 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set) -> 
     every rank's entries (duplicates are summed when it is coalesced), divided by the
     number of ranks for Average.
     """
-    op = _reduce_op(op, None, "sparse_allreduce_async")
-    if op not in (Average, Sum):
-        raise ValueError(f"sparse_allreduce_async supports op=hvd.Average or hvd.Sum, got {op.name}")
+    op = resolve_op(op, "sparse_allreduce_async", kind=SPARSE)
     ps = check_process_set(process_set, "sparse_allreduce_async")
     if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:
         raise TypeError("sparse_allreduce_async expects a sparse COO tensor "
@@ -570,45 +541,27 @@ def _reducescatter_submit(tensor, name, op, prescale_factor, postscale_factor,
     return Handle(inner, _to_result(tensor), keep=(src,))
 
 
-def _scatter_op(op, what: str) -> ReduceOp:
-    op = _reduce_op(op, None, what)
-    if op == Adasum:  # a RuntimeError, as Horovod's test expects
-        raise NotImplementedError(f"{what}: reducescatter does not support op=hvd.Adasum")
-    if op not in (Average, Sum):
-        raise ValueError(f"{what}: reducescatter supports op=hvd.Average or hvd.Sum, got {op.name}")
-    return op
-
-
 def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set,
                         prescale_factor=1.0, postscale_factor=1.0) -> Handle:
     """Start reducing `tensor` over ranks; rank r gets its share of dimension 0."""
-    op = _scatter_op(op, "reducescatter_async")
+    op = resolve_op(op, "reducescatter_async", kind=REDUCESCATTER)
     ps = check_process_set(process_set, "reducescatter_async")
     return _reducescatter_submit(tensor, name, op, prescale_factor, postscale_factor, ps)
 
 
 class _Reducescatter(torch.autograd.Function):
-    """reducescatter whose gradient is the allgather of the gradient, scaled as Horovod does.
-
-    Horovod treats the op like an allreduce whose backward is the same allreduce of the
-    gradient: Sum multiplies by the number of ranks, Average by 1, and the pre/postscale
-    factors apply again.
-    """
+    """reducescatter whose gradient is the allgather of the gradient, scaled as Horovod does
+    (nbdist.common.ops.reducescatter_grad_scale)."""
 
     @staticmethod
     def forward(ctx, tensor, name, op, prescale_factor, postscale_factor, ps):
-        ctx.scale, ctx.ps = _reducescatter_scale(op, prescale_factor, postscale_factor, ps), ps
+        ctx.scale, ctx.ps = _c.ops.reducescatter_grad_scale(op, prescale_factor, postscale_factor, ps), ps
         return synchronize(_reducescatter_submit(tensor, name, op, prescale_factor,
                                                  postscale_factor, ps))
 
     @staticmethod
     def backward(ctx, grad_output):
         return _reducescatter_grad(grad_output, ctx.scale, ctx.ps), None, None, None, None, None
-
-
-def _reducescatter_scale(op, prescale_factor, postscale_factor, ps=None) -> float:
-    """The factor on reducescatter's gradient: as an allreduce's, Sum times the ranks."""
-    return prescale_factor * postscale_factor * (_set_size(ps) if op == Sum else 1)
 
 
 def _reducescatter_grad(grad_output, scale: float, ps=None):
@@ -620,7 +573,7 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
                   process_set=global_process_set, prescale_factor=1.0,
                   postscale_factor=1.0) -> torch.Tensor:
     """Reduce `tensor` over ranks and keep this rank's rows, as a new tensor; differentiable."""
-    op = _scatter_op(op, "reducescatter")
+    op = resolve_op(op, "reducescatter", kind=REDUCESCATTER)
     ps = check_process_set(process_set, "reducescatter")
     compressed, ctx = compression.compress(tensor)
     out = _Reducescatter.apply(compressed, name, op, prescale_factor, postscale_factor, ps)
@@ -640,7 +593,7 @@ class _GroupedReducescatter(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, name, op, prescale_factor, postscale_factor, ps, *tensors):
-        ctx.scale, ctx.ps = _reducescatter_scale(op, prescale_factor, postscale_factor, ps), ps
+        ctx.scale, ctx.ps = _c.ops.reducescatter_grad_scale(op, prescale_factor, postscale_factor, ps), ps
         handles = [_reducescatter_submit(t, _member(name, i), op, prescale_factor,
                                          postscale_factor, ps) for i, t in enumerate(tensors)]
         return tuple(_ListHandle(handles).wait())
@@ -655,7 +608,7 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=A
                           process_set=global_process_set, prescale_factor=1.0,
                           postscale_factor=1.0) -> list:
     """Reducescatter each tensor in a list as one group; differentiable."""
-    op = _scatter_op(op, "grouped_reducescatter")
+    op = resolve_op(op, "grouped_reducescatter", kind=REDUCESCATTER)
     ps = check_process_set(process_set, "grouped_reducescatter")
     compressed, ctxs = zip(*[compression.compress(t) for t in tensors])
     outs = _GroupedReducescatter.apply(name, op, prescale_factor, postscale_factor, ps,

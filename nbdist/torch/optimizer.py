@@ -18,7 +18,7 @@ import torch
 from nbdist import common as _c
 
 from .compression import Compression
-from .mpi_ops import (Adasum, Average, Sum, allgather_async, allreduce_async_,
+from .mpi_ops import (Adasum, Average, allgather_async, allreduce_async_,
                       grouped_allreduce_async_, synchronize)
 from .process_sets import check_process_set, global_process_set
 
@@ -64,11 +64,8 @@ class _DistributedMixin:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
         self.op = op
         self.gradient_predivide_factor = gradient_predivide_factor
-        if op == Average:
-            # Horovod splits the average: 1/f before the sum, f/size after it.
-            self._prescale, self._postscale = 1.0 / gradient_predivide_factor, gradient_predivide_factor
-        else:
-            self._prescale = self._postscale = 1.0
+        self._prescale, self._postscale = _c.ops.predivide_factors(
+            op, gradient_predivide_factor, "DistributedOptimizer")
         self.sparse_as_dense = sparse_as_dense
         self._parameter_names = self._name_parameters(named_parameters)
         self._params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
@@ -83,8 +80,8 @@ class _DistributedMixin:
         self._setup_groups(groups)
         # One rank has nothing to average with: behave as the plain optimizer (as Horovod).
         # A rank outside the optimizer's process set trains alone (as in Horovod).
-        self._active = (bool(process_set is None or process_set.included())
-                        and (process_set.size() if process_set is not None else _c.size()) > 1)
+        self._active = (_c.process_sets.is_member(process_set)
+                        and _c.process_sets.size_of(process_set) > 1)
         if self._active:
             self._register_hooks()
 
@@ -205,8 +202,7 @@ class _DistributedMixin:
     def _submit(self, p) -> None:
         name = self._parameter_names[p]
         if p.grad is not None and p.grad.is_sparse and not self.sparse_as_dense:
-            if self.op not in (Average, Sum):
-                raise ValueError(f"sparse gradient of {name}: only op=Average or Sum is supported")
+            _c.ops.resolve_op(self.op, f"sparse gradient of {name}", kind=_c.ops.SPARSE)
             self._handles[p] = (_SparseHandle(p.grad, name, self.op, self._process_set), None)
             return
         grad = self._dense_grad(p)
@@ -384,13 +380,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                         f"{type(optimizer).__name__}")
     if isinstance(optimizer, _DistributedMixin):
         raise ValueError("this optimizer is already a DistributedOptimizer")
-    if process_set is not None and process_set.included():
+    if _c.process_sets.is_member(process_set):
         check_process_set(process_set, "DistributedOptimizer")
     if op == Adasum and sparse_as_dense is False and _has_sparse_params(optimizer):
         raise NotImplementedError("DistributedOptimizer(op=Adasum) does not reduce sparse "
                                   "gradients; pass sparse_as_dense=True")
-    if gradient_predivide_factor != 1.0 and op != Average:
-        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    _c.ops.predivide_factors(op, gradient_predivide_factor, "DistributedOptimizer")
     if num_groups:
         warnings.warn("Parameter `num_groups` has been replaced by `groups`", DeprecationWarning,
                       stacklevel=2)
