@@ -8,7 +8,8 @@ pulls in the notebook side and a key is spelled in one place.
   of rank 0's metric history.
 - Errors under `nbdist run`: a failing rank writes one JSON record per rank into the folder
   named by REPORT_DIR_ENV; the launcher reads them back after mpiexec exits.
-- Hosts: LAUNCH_HOST_ENV names the launcher's host (see nbdist.mpi.segment_keeper).
+- Hosts: LAUNCH_HOST_ENV names the launcher's host; a rank on another host has a segment
+  keeper (nbdist.mpi.segment_keeper) that writes a death record when the rank exits.
 """
 from __future__ import annotations
 
@@ -26,17 +27,35 @@ LAUNCH_HOST_ENV = "NBDIST_LAUNCH_HOST"
 
 def write_error_record(folder: str, record: dict) -> None:
     """Write one rank's error record atomically (the launcher never reads half a file)."""
-    rank = record["rank"]
-    tmp = os.path.join(folder, f".rank-{rank}.json")
-    with open(tmp, "w") as f:
-        json.dump(record, f)
-    os.replace(tmp, os.path.join(folder, f"rank-{rank}.json"))
+    _write_atomic(folder, f"rank-{record['rank']}.json", record)
 
 
 def read_error_records(folder: str) -> list[dict]:
     """Every complete error record in the folder, in file-name order."""
+    return _read_all(folder, "rank-*.json")
+
+
+def write_death_record(folder: str, rank: int, host: str, when: float) -> None:
+    """A rank on another host was seen exiting at `when` (written by its segment keeper):
+    hydra's banner names only the host, the earliest record there names the rank."""
+    _write_atomic(folder, f"death-{rank}.json", {"rank": rank, "host": host, "time": when})
+
+
+def read_death_records(folder: str) -> list[dict]:
+    """Every death record in the folder."""
+    return _read_all(folder, "death-*.json")
+
+
+def _write_atomic(folder: str, name: str, record: dict) -> None:
+    tmp = os.path.join(folder, f".{name}")
+    with open(tmp, "w") as f:
+        json.dump(record, f)
+    os.replace(tmp, os.path.join(folder, name))
+
+
+def _read_all(folder: str, pattern: str) -> list[dict]:
     records = []
-    for path in sorted(Path(folder).glob("rank-*.json")):
+    for path in sorted(Path(folder).glob(pattern)):
         try:
             records.append(json.loads(path.read_text()))
         except (OSError, ValueError):

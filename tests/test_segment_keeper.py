@@ -37,7 +37,7 @@ def test_keeper_removes_a_killed_ranks_segments_and_keeps_held_ones():
         assert peer.stdout.readline().strip() == "mapped"
         assert rank.stdout.readline().strip() == "mapped"
         keeper = subprocess.Popen([sys.executable, "-m", "nbdist.mpi.segment_keeper", str(rank.pid),
-                                   repr(time.time()), "2"], start_new_session=True)
+                                   repr(time.time()), "--settle", "2"], start_new_session=True)
         time.sleep(1.0)  # its first look at the rank's maps
         assert keeper.poll() is None, "the keeper left while the rank still ran"
         rank.send_signal(signal.SIGKILL)

@@ -24,12 +24,13 @@ from ..mpi.hosts import (HostsError, LinkWatch, banner_deaths, check_slots, hydr
                          in_slurm_allocation, lost_host_line, parse_hosts, placement, remote_death_line)
 from ..mpi.hydra import decode_wait_status, mpiexec_path, parse_exit_codes
 from ..mpi.reaper import remove_orphan_segments
-from ..wire import LAUNCH_HOST_ENV, REPORT_DIR_ENV, read_error_records
+from ..wire import LAUNCH_HOST_ENV, REPORT_DIR_ENV, read_death_records, read_error_records
 
 TIMEOUT_EXIT = 124
 KILL_GRACE_S = 5.0
 PUMP_WAIT_S = 5.0  # after mpiexec exited, for the rest of its output to be read
 PUMP_EXTRA_WAIT_S = 10.0  # more, only while its exit-code report is still missing
+DEATH_RECORD_WAIT_S = 3.0  # for a remote host's segment keepers to record which rank exited first
 
 # hydra's own lines, which we replace by our summary.
 _HYDRA_NOISE = ("=====", "=   ", "YOUR APPLICATION TERMINATED", "This typically refers to a problem",
@@ -163,7 +164,19 @@ def run_script(script: str, args: list[str] | None = None, n: int = 1, timeout: 
         return _summarise(proc.returncode, "".join(captured), report_dir, n, timeout, timed_out,
                           interrupted, started, slots, lost)
     finally:
+        _remove_report_dir(report_dir, remote=bool(slots))
+
+
+def _remove_report_dir(report_dir: str, remote: bool) -> None:
+    """Remove the run's report folder. With ranks on other hosts, a segment keeper may still be
+    writing its death record there for a moment after mpiexec has exited, so look again."""
+    for _ in range(10 if remote else 1):
         shutil.rmtree(report_dir, ignore_errors=True)
+        if not os.path.exists(report_dir):
+            time.sleep(0.2)
+            if not os.path.exists(report_dir):
+                return
+        time.sleep(0.2)
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -188,6 +201,16 @@ def _read_reports(report_dir: str, interrupted_by_us: bool) -> list[RankError]:
         errors.append(RankError.collect(rec["rank"], rec["ename"], rec["evalue"], tb,
                                         interrupted_by_watcher=interrupted_by_us, time=rec.get("time")))
     return errors
+
+
+def _first_exits(report_dir: str) -> dict[str, int]:
+    """host -> the rank seen exiting first there (from the segment keepers' death records)."""
+    first: dict[str, tuple[float, int]] = {}
+    for rec in read_death_records(report_dir):
+        seen = (rec["time"], rec["rank"])
+        if rec["host"] not in first or seen < first[rec["host"]]:
+            first[rec["host"]] = seen
+    return {host: rank for host, (_, rank) in first.items()}
 
 
 def _summarise(rc: int, output: str, report_dir: str, n: int, timeout, timed_out: bool,
@@ -223,11 +246,15 @@ def _summarise(rc: int, output: str, report_dir: str, n: int, timeout, timed_out
         code = 128 + (first_status & 0x7F) if first_status & 0x7F else (first_status >> 8) or 1
         dead = {}
     elif banners:
-        # across hosts hydra prints no exit-code report for a remote death: its banner names the host
+        # across hosts hydra prints no exit-code report for a remote death: its banner names the
+        # host, and the first exit its ranks' segment keepers recorded there names the rank
         where = placement(list(slots), n)
-        headline = "; ".join(remote_death_line(h, c, where[h][0] if len(where.get(h, [])) == 1 else None,
-                                               where.get(h, []))
-                             for h, c in banners)
+        first = _first_exits(report_dir)
+        deadline = time.monotonic() + DEATH_RECORD_WAIT_S
+        while any(h not in first for h, _ in banners) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the keepers write as the ranks exit, mpiexec may exit as soon
+            first = _first_exits(report_dir)
+        headline = "; ".join(remote_death_line(h, c, first.get(h), where.get(h, [])) for h, c in banners)
         code = rc or 1
     elif errors:
         headline = "every failing rank failed with follow-on errors only"

@@ -9,35 +9,39 @@ another host spawns this small keeper beside it: it notes the segments the rank 
 removes those that no process on the host still holds. It waits in poll() on a pidfd,
 so it costs no CPU while the rank runs.
 
-Usage: python -m nbdist.mpi.segment_keeper RANK_PID START_TIME [SETTLE_S]
+Usage: python -m nbdist.mpi.segment_keeper RANK_PID START_TIME [--settle S]
+                                            [--report-dir DIR --rank R]
 """
 from __future__ import annotations
 
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
 
+from ..wire import write_death_record
 from .reaper import SETTLE_S, remove_orphan_segments, segments_of
 
 FIRST_LOOK_S = 0.5
 MAX_LOOK_S = 8.0  # MPI maps a new communicator's segment when it is created, at any time
 
 
-def start_if_remote(watcher_host: str | None) -> None:
+def start_if_remote(watcher_host: str | None, report_dir: str | None = None,
+                    rank: int | None = None) -> None:
     """Spawn the keeper for the calling rank when it runs on another host than the side that
     watches it (the notebook kernel, `nbdist run`), whose own sweep cannot reach here.
     In its own session: MPI's clean-up kills the rank's process group, and the keeper must
-    outlive the rank. Never raises."""
-    import socket
-
+    outlive the rank. With report_dir (`nbdist run`), it records there when the rank exited.
+    Never raises."""
     if not watcher_host or watcher_host == socket.gethostname():
         return
     try:
+        record = ["--report-dir", report_dir, "--rank", str(rank)] if report_dir and rank is not None else []
         subprocess.Popen([sys.executable, "-m", "nbdist.mpi.segment_keeper", str(os.getpid()),
-                          repr(time.time())],
+                          repr(time.time()), *record],
                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                          start_new_session=True, close_fds=True)
     except OSError:
@@ -70,29 +74,50 @@ def _is_zombie(pid: int) -> bool:
         return True
 
 
-def keep(pid: int, since: float, settle_s: float = SETTLE_S) -> list[str]:
+def keep(pid: int, since: float, settle_s: float = SETTLE_S, report_dir: str | None = None,
+         rank: int | None = None) -> list[str]:
     """Watch the rank until it exits, then remove its unheld segments; the ones removed."""
     import psutil
 
     try:
-        rank = psutil.Process(pid)
+        proc = psutil.Process(pid)
     except psutil.Error:
         return remove_orphan_segments(since)
     seen: set[str] = set()
     look = FIRST_LOOK_S
     while True:
-        seen |= segments_of([rank])
+        seen |= segments_of([proc])
         if _wait_for_exit(pid, look):
             break
         look = min(look * 2, MAX_LOOK_S)
+    _record_death(report_dir, rank, time.time())
     return remove_orphan_segments(since, known=seen, settle_s=settle_s)
+
+
+def _record_death(report_dir: str | None, rank: int | None, when: float) -> None:
+    """Under `nbdist run`, tell the launcher when this rank exited (its report folder is in
+    the shared working directory): hydra's banner names only the host of a death."""
+    if report_dir and rank is not None:
+        try:
+            write_death_record(report_dir, rank, socket.gethostname(), when)
+        except OSError:  # the run is over and its folder gone: nobody asks any more
+            pass
 
 
 def main(argv: list[str]) -> int:
     # The rank's Ctrl-C and a dropped ssh session are not ours to die of.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    keep(int(argv[0]), float(argv[1]), *(float(a) for a in argv[2:3]))
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m nbdist.mpi.segment_keeper")
+    parser.add_argument("pid", type=int)
+    parser.add_argument("since", type=float)
+    parser.add_argument("--settle", type=float, default=SETTLE_S)
+    parser.add_argument("--report-dir")
+    parser.add_argument("--rank", type=int)
+    args = parser.parse_args(argv)
+    keep(args.pid, args.since, args.settle, args.report_dir, args.rank)
     return 0
 
 

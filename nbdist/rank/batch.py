@@ -49,7 +49,8 @@ def main(argv: list[str]) -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     rank = env_rank() or 0
     faulthandler.enable()  # a segfault prints this rank's Python frames (tagged by mpiexec)
-    start_if_remote(env_str(LAUNCH_HOST_ENV.removeprefix("NBDIST_")))
+    start_if_remote(env_str(LAUNCH_HOST_ENV.removeprefix("NBDIST_")),
+                    env_path(REPORT_DIR_ENV.removeprefix("NBDIST_")), rank)
     # One write per line: mpiexec tags each write with the rank, so a print must not be split.
     for stream in (sys.stdout, sys.stderr):
         try:
