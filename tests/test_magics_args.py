@@ -140,7 +140,7 @@ def test_plain_cell_reuses_and_restarts_the_cluster_the_way_it_was_started(monke
 
     started = []
     c = DistCluster(notify=lambda text, level="info": None)
-    monkeypatch.setattr(c, "start", lambda n, launcher="local", hosts=None, env=None: (
+    monkeypatch.setattr(c, "start", lambda n, launcher="local", hosts=None, env=None, elastic=False: (
         started.append((n, launcher, hosts, env)),
         setattr(c, "cluster", object()),
         c.__dict__.update(n=n, launcher=launcher, hosts=list(hosts or []), env=dict(env or {}))))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import atexit
+import sys
 import threading
 
 from . import errors, timeline, world
@@ -60,6 +61,9 @@ def _init(comm) -> None:
         engine = Engine(topology, config,
                         lambda should_stop: TransportSet(config, topology, should_stop))
         _state.update(engine=engine, topology=topology, config=config)
+        report = sys.modules.get("nbdist.rank.report")
+        if report is not None:  # an elastic resize renumbers the ranks: report under the new one
+            report.rank_changed(topology.rank)
         path = env_str("TIMELINE")
         if path:
             cycles = env_str("TIMELINE_MARK_CYCLES", "0") or "0"

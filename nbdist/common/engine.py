@@ -33,7 +33,7 @@ import threading
 import time
 import traceback
 
-from . import errors, timeline
+from . import errors, timeline, world
 from .config import env_str
 from .execution import Executor
 from .negotiation import Coordinator
@@ -284,7 +284,9 @@ class Engine:
             self._broken = (f"nbdist runtime on rank {self.rank} stopped after an internal "
                             f"error: {type(exc).__name__}: {exc}; call shutdown() and init() again")
             if not self._stopping:
-                self._warn(self._broken + "\n" + traceback.format_exc())
+                # In an elastic world a dead peer is an expected event (hvd.elastic.run rebuilds
+                # the world): one line, no traceback.
+                self._warn(self._broken + ("" if world.elastic_dir() else "\n" + traceback.format_exc()))
             self._fail_all(errors.RuntimeBrokenError(self._broken))
 
     def _on_abort(self, epoch: int, reason: str) -> None:

@@ -39,6 +39,8 @@ class CellOptions:
     widgets: bool = True
     cell_number: int | None = None  # the notebook's In[n], shown in the ranks' tracebacks
     header: str | None = None  # the cell's magic line (the code starts on the next line)
+    elastic: bool = False  # a lost rank shrinks the world (nbdist.notebook.elastic), down to min_np
+    min_np: int = 1
 
 
 class _RankResult:
@@ -144,6 +146,13 @@ def run(cluster, code: str, opts: CellOptions):
     ar = view.execute(_as_in_notebook(code, opts), silent=False, block=False)
     streamer = _Streamer(ar, ranks, out)
     progress = _progress_view(ar, ranks, opts.widgets)
+    engines = [cluster.engine_of(r) for r in ranks]
+    watch = None
+    if opts.elastic:
+        from .elastic import ElasticWatch
+
+        watch = ElasticWatch(cluster, opts.min_np, progress,
+                             {e: (r, i) for i, (r, e) in enumerate(zip(ranks, engines))})
 
     t0 = time.monotonic()
     first_error_at = None
@@ -155,6 +164,11 @@ def run(cluster, code: str, opts: CellOptions):
         while True:
             try:
                 done = ar.wait(POLL_S)
+                if watch is not None and not done:
+                    # the lost engines' replies may come late (ipyparallel's heartbeat): the
+                    # cell is done when every engine still in the world is
+                    done = all(c.done() for e, (_, c) in zip(engines, streamer.children)
+                               if not watch.ignores(e))
                 streamer.pump()
                 if progress is not None:
                     try:
@@ -165,7 +179,12 @@ def run(cluster, code: str, opts: CellOptions):
                     break
                 now = time.monotonic()
                 errors = [(r, _child_error(c)) for r, c in streamer.children]
-                if any(e is not None and _is_death(e) for _, e in errors) or not cluster.engines_alive():
+                if watch is not None:
+                    if not watch.poll():  # below --min-np: the run cannot go on
+                        died = True
+                        break
+                    errors = [(r, e) for (r, e), eid in zip(errors, engines) if not watch.ignores(eid)]
+                elif any(e is not None and _is_death(e) for _, e in errors) or not cluster.engines_alive():
                     died = True
                     break
                 if first_error_at is None and (any(e is not None for _, e in errors) or any(
@@ -208,6 +227,18 @@ def run(cluster, code: str, opts: CellOptions):
         out.finish()
 
     errors = [(r, _child_error(c)) for r, c in streamer.children]
+    if watch is not None:
+        errors = [(r, e) for (r, e), eid in zip(errors, engines) if not watch.ignores(eid)]
+    if died and watch is not None and watch.failure is not None:
+        report = watch.failure
+        try:
+            _restart(cluster)
+            report.notes.append(f"the cluster was restarted with {cluster.n} fresh ranks: names "
+                                f"defined in earlier %%distributed cells are gone")
+        except Exception as exc:
+            report.notes.append(f"restarting the cluster failed: {exc}; run %dist_start -n {cluster.n}")
+        _finish(progress, "failed", report)
+        raise display.RankDied(report)
     if not died:
         died = any(e is not None and _is_death(e) for _, e in errors)
     if died:
@@ -220,7 +251,11 @@ def run(cluster, code: str, opts: CellOptions):
     stuck = cause is not None and cause.endswith("stuck")
     if not failed and not stuck and cause is None:
         _finish(progress, "done", None)
-        lead_md = streamer.children[0][1].output.metadata if streamer.children else {}
+        lead = streamer.children[0][1] if streamer.children else None
+        if watch is not None and watch.lost_engines and 0 in cluster.ranks:
+            # after a resize the cell's value is the new rank 0's
+            lead = dict(zip(engines, (c for _, c in streamer.children))).get(cluster.engine_of(0), lead)
+        lead_md = lead.output.metadata if lead is not None else {}
         result = lead_md.get("execute_result")
         return _RankResult(result, ranks[0]) if result else None
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import psutil
 
 from ..common.config import KERNEL_PID_ENV
+from ..common.world import ELASTIC_DIR_ENV, write_plan
 from ..mpi import reaper
 from ..mpi.deaths import DeathWatch
 from ..mpi.hosts import (HostsError, address_toward, banner_deaths, check_slots, hosts_arg,
@@ -79,6 +80,13 @@ class DistCluster:
         self._lost_hosts: list[str] = []  # hosts whose ssh link ended while mpiexec still ran
         self._addresses: dict[str, str] = {}  # host -> the address ssh connects to
         self.last_start_s: float | None = None
+        # Elastic (docs/elastic.md): a rank's death leaves its peers running, and the kernel
+        # (nbdist.notebook.elastic) publishes the survivors' world in elastic_dir.
+        self.elastic = False
+        self.min_np = 1
+        self.elastic_dir: str | None = None
+        self.generation = 0
+        self.engine_env: dict[str, str] = {}
 
     # ---- state -----------------------------------------------------------------------------
 
@@ -111,6 +119,11 @@ class DistCluster:
         """True while every engine set's launcher process (mpiexec) runs and all engines are registered."""
         if self.cluster is None or self.client is None:
             return False
+        if self.elastic:
+            # A rank's death leaves its mpiexec (and the other ranks) running: ask the ranks.
+            from ..common.world import pid_alive
+
+            return bool(self.ranks) and all(pid_alive(info.pid) for info in self.ranks.values())
         for proc in self._mpiexec_procs():
             try:
                 if not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE:
@@ -143,22 +156,36 @@ class DistCluster:
         return n, launcher, hosts, env
 
     def plan(self, n: int, launcher: str | None = None, hosts: list[str] | None = None,
-             env: dict[str, str] | None = None) -> str:
-        """What ensure() would do: 'reuse', 'start' or 'restart' (the one reuse policy)."""
+             env: dict[str, str] | None = None, elastic: bool | None = None) -> str:
+        """What ensure() would do: 'reuse', 'start', 'grow' or 'restart' (the one reuse policy).
+
+        An elastic cluster asked for more ranks than it has grows (its ranks keep their
+        state); elastic=None keeps the cluster's kind.
+        """
         wanted = self.shape(n, launcher, hosts, env)
         if self.cluster is None:
             return "start"
-        if wanted == (self.n, self.launcher, self.hosts, self.env) and self.is_running():
+        same_kind = elastic is None or bool(elastic) == self.elastic
+        if same_kind and wanted == (self.n, self.launcher, self.hosts, self.env) and self.is_running():
             return "reuse"
+        if (same_kind and self.elastic and self.n is not None and n > self.n
+                and wanted[1:] == (self.launcher, self.hosts, self.env) and self.is_running()):
+            return "grow"
         return "restart"
 
     def ensure(self, n: int, launcher: str | None = None, hosts: list[str] | None = None,
-               env: dict[str, str] | None = None) -> str:
-        """A running cluster of n ranks: 'reused', 'started' or 'restarted' (state reset)."""
-        how = self.plan(n, launcher, hosts, env)
+               env: dict[str, str] | None = None, elastic: bool | None = None) -> str:
+        """A running cluster of n ranks: 'reused', 'started', 'grown' or 'restarted' (state reset)."""
+        how = self.plan(n, launcher, hosts, env, elastic)
         n, launcher, hosts, env = self.shape(n, launcher, hosts, env)
+        elastic = self.elastic if elastic is None and self.cluster is not None else bool(elastic)
         if how == "reuse":
             return "reused"
+        if how == "grow":
+            from .elastic import grow
+
+            grow(self, n - (self.n or 0))
+            return "grown"
         if how == "restart":
             if (n, launcher, hosts, env) == (self.n, self.launcher, self.hosts, self.env):
                 self._notify(f"the cluster of {self.n} ranks is no longer running; starting a fresh "
@@ -169,16 +196,22 @@ class DistCluster:
                 self._notify(f"restarting: {change}; engine state (all names defined "
                              f"in earlier %%distributed cells) was reset", "warning")
             self.stop(quiet=True)
-            self.start(n, launcher, hosts, env)
+            self.start(n, launcher, hosts, env, elastic=elastic)
             return "restarted"
-        self.start(n, launcher, hosts, env)
+        self.start(n, launcher, hosts, env, elastic=elastic)
         return "started"
 
-    def _config(self, launcher: str, hosts: list[str], n: int, address: str):
+    def _config(self, launcher: str, hosts: list[str], n: int, address: str, elastic: bool = False):
         from traitlets.config import Config
 
         cfg = Config()
         mpi_args = ["-print-all-exitcodes"]
+        if elastic:
+            # A rank's death must not stop the others: hydra spares them when a rank exits
+            # (not when it is killed), so each engine runs under nbdist.rank.survive.
+            mpi_args.append("-disable-auto-cleanup")
+            cfg.MPIEngineSetLauncher.engine_cmd = [sys.executable, "-m", "nbdist.rank.survive",
+                                                   sys.executable, "-m", "ipyparallel.engine"]
         if hosts:
             try:
                 slots = parse_hosts(hosts)
@@ -219,12 +252,16 @@ class DistCluster:
         return "mpi"
 
     def start(self, n: int, launcher: str = "local", hosts: list[str] | None = None,
-              env: dict[str, str] | None = None) -> None:
+              env: dict[str, str] | None = None, elastic: bool = False) -> None:
         """Start a controller and n MPI engines, connect, and install the engine hooks."""
         import ipyparallel as ipp
 
         if not isinstance(n, int) or n < 1 or n > MAX_RANKS:
             raise ClusterError(f"-n must be between 1 and {MAX_RANKS}, got {n!r}")
+        if elastic and (hosts or launcher not in ("local", "mpi")):
+            raise ClusterError("an elastic cluster runs on this machine only (--launcher local, no "
+                               "--hosts): its ranks rebuild their world through files in the "
+                               "kernel's private folder")
         hosts = list(hosts or [])
         env = dict(env or {})
         engines = self._engines_kind(launcher, hosts)
@@ -244,9 +281,15 @@ class DistCluster:
         t0 = time.monotonic()
         self._started_at = time.time()
         self._profile_dir = tempfile.mkdtemp(prefix="nbdist-ipp-")  # 0700: connection files stay private
-        config = self._config(launcher, hosts, n, address)
+        config = self._config(launcher, hosts, n, address, elastic)
         engine_env = {KERNEL_PID_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1",
                       "PATH": f"{venv_bin()}{os.pathsep}{os.environ.get('PATH', '')}", **env}
+        self.elastic, self.generation = elastic, 0
+        self.elastic_dir = os.path.join(self._profile_dir, "elastic") if elastic else None
+        if self.elastic_dir:
+            os.mkdir(self.elastic_dir, 0o700)
+            engine_env[ELASTIC_DIR_ENV] = self.elastic_dir
+        self.engine_env = engine_env
         self.cluster = ipp.Cluster(engines=engines, n=n, profile_dir=self._profile_dir,
                                    config=config, delay=0,
                                    engine_timeout=START_TIMEOUT_S, log_level=40, **kwargs)
@@ -262,6 +305,9 @@ class DistCluster:
             self.view = self.client[:]
             self.view.block = False
             self._bootstrap()
+            if self.elastic_dir:
+                write_plan(self.elastic_dir, {"generation": 0, "pids": [self.ranks[r].pid for r in sorted(self.ranks)],
+                                              "joiners": [], "abort": ""})
             if hosts:
                 names = [h for h, _ in parse_hosts(hosts)]
                 self._links = LinkWatch(self._mpiexec_procs()[0].pid, names)
@@ -522,8 +568,9 @@ class DistCluster:
         """Stop and start again with the same shape (after a fatal fault)."""
         n, launcher, hosts, env = self.n, self.launcher, self.hosts, self.env
         assert n is not None, "restart() of a cluster that never started"
+        elastic = self.elastic
         self.stop(quiet=True)
-        self.start(n, launcher, hosts, env)
+        self.start(n, launcher, hosts, env, elastic=elastic)
 
     # ---- signals ---------------------------------------------------------------------------
 

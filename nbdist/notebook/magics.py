@@ -118,6 +118,37 @@ def _on_hosts(rows: list[dict]) -> str:
                               for h, r in by_host.items())
 
 
+def elastic_args(func):
+    """--elastic and --min-np, shared by %%distributed and %dist_start (declared once)."""
+    shared = [
+        argument("--elastic", action="store_true",
+                 help="an elastic cluster (this machine only): when a rank dies the others go "
+                      "on in a smaller world, and hvd.elastic.run resumes from the last commit "
+                      "in the same cell (docs/elastic.md); kept until %%dist_stop"),
+        argument("--min-np", dest="min_np", default=None, metavar="N",
+                 help="elastic: the fewest ranks the run may go on with (default 1); below it "
+                      "the cell fails naming the ranks lost"),
+    ]
+    for deco in reversed(shared):
+        func = deco(func)
+    return func
+
+
+def parse_min_np(value, n: int, elastic: bool) -> int | None:
+    """--min-np N: a whole number in 1..n, and only for an elastic cluster."""
+    if value is None:
+        return None
+    if not elastic:
+        raise UsageError("--min-np applies to an elastic cluster: add --elastic")
+    try:
+        m = int(str(value).strip())
+    except ValueError:
+        raise UsageError(f"--min-np expects a whole number of ranks, got {value!r}") from None
+    if m < 1 or m > n:
+        raise UsageError(f"--min-np must be between 1 and -n ({n}), got {m}")
+    return m
+
+
 def run_args(func):
     """The options of everything that runs code on the ranks (%%distributed, %dist_run), declared once."""
     shared = [
@@ -146,20 +177,26 @@ class DistributedMagics(Magics):
 
     # -- helpers ----------------------------------------------------------------------------
 
-    def _ensure(self, n: int, launcher: str | None = None, hosts=None, env=None) -> None:
+    def _ensure(self, n: int, launcher: str | None = None, hosts=None, env=None,
+                elastic: bool | None = None) -> None:
         """A running cluster of n ranks; what is not given is as the cluster was started."""
         c = self.cluster
-        if c.plan(n, launcher, hosts, env) == "reuse":
+        if c.plan(n, launcher, hosts, env, elastic) == "reuse":
             return
-        indicator = display.StartIndicator(n)
+        indicator = display.StartIndicator(n, "growing" if c.plan(n, launcher, hosts, env, elastic) == "grow"
+                                           else "starting")
         try:
-            how = c.ensure(n, launcher, hosts, env)
+            how = c.ensure(n, launcher, hosts, env, elastic)
         except ClusterError as exc:
             indicator.done(f"could not start {n} ranks: {exc}", "error")
             raise UsageError(f"could not start {n} ranks: {exc}") from None
         except KeyboardInterrupt:
             indicator.done("start interrupted; nothing left running", "warning")
             raise
+        if how == "grown":
+            indicator.done(f"grew the elastic world to {n} ranks (the new ranks get the state at "
+                           "the next hvd.elastic.run sync)")
+            return
         indicator.done(f"{n} rank{'s' if n != 1 else ''} ready in {c.last_start_s:.1f} s"
                        + (" (fresh engines: earlier state was reset)" if how == "restarted" else ""))
 
@@ -169,13 +206,22 @@ class DistributedMagics(Magics):
                              "(or interrupt it) before starting a new one")
 
     def _run_code(self, code: str, args, n: int, header: str | None = None) -> object:
+        elastic = True if getattr(args, "elastic", False) else None  # None: the cluster's kind
+        min_np = parse_min_np(getattr(args, "min_np", None), n,
+                              bool(elastic) or (self.cluster.elastic and self.cluster.cluster is not None))
         opts = cell_mod.CellOptions(timeout=parse_timeout(args.timeout),
                                     targets=parse_targets(args.targets, n),
                                     output=args.output, widgets=not args.no_widgets,
                                     cell_number=self._cell_number(), header=header)
         self._claim()
         try:
-            self._ensure(n)
+            self._ensure(n, elastic=elastic)
+            if min_np is not None:
+                self.cluster.min_np = min_np
+            opts.elastic, opts.min_np = self.cluster.elastic, self.cluster.min_np
+            if opts.elastic and opts.targets is not None:
+                raise UsageError("--targets cannot be used on an elastic cluster: an elastic run "
+                                 "needs every rank")
             if args.gpus:
                 self._pin_gpus()
             return cell_mod.run(self.cluster, code, opts)
@@ -211,6 +257,7 @@ class DistributedMagics(Magics):
     # The usage line reads "%%distributed" (IPython prefixes the parser's name with one %).
     @magic_arguments("%distributed")
     @run_args
+    @elastic_args
     @argument("--targets", default=None, metavar="RANKS",
               help="run on these ranks only, e.g. 0 or 0,2-3 (collectives need every rank!)")
     @argument("--gpus", action="store_true", help="give each rank one GPU (its local rank) before the cell runs")
@@ -242,6 +289,7 @@ class DistributedMagics(Magics):
     @argument("--hosts", nargs="+", default=None,
               help="host:slots list as horovodrun -H: h1:2,h2:2 (implies --launcher ssh)")
     @argument("--env", nargs="+", default=None, metavar="K=V", help="environment variables for every rank")
+    @elastic_args
     @line_magic
     def dist_start(self, line):
         """Start (or restart) the cluster of N MPI ranks used by %%distributed."""
@@ -251,9 +299,36 @@ class DistributedMagics(Magics):
             raise UsageError("%dist_start needs -n N")
         env, hosts = parse_env(args.env), parse_hosts(args.hosts)
         launcher = "ssh" if hosts and args.launcher in (None, "local") else args.launcher
+        min_np = parse_min_np(args.min_np, n, args.elastic)
+        if args.elastic and (hosts or launcher not in (None, "local", "mpi")):
+            raise UsageError("--elastic runs on this machine only: drop --hosts/--launcher")
         self._claim()
         try:
-            self._ensure(n, launcher, hosts, env)
+            self._ensure(n, launcher, hosts, env, elastic=True if args.elastic else None)
+            self.cluster.min_np = min_np or 1 if args.elastic else self.cluster.min_np
+        finally:
+            self._busy.release()
+
+    @magic_arguments()
+    @argument("-n", "--np", dest="n", default=None, help="the number of ranks to grow to")
+    @line_magic
+    def dist_scale(self, line):
+        """Grow an elastic cluster to N ranks: new engines join the running ranks' world (the
+        ranks keep their state; the new ones get it at the next hvd.elastic.run sync)."""
+        args = parse_argstring(self.dist_scale, line)
+        c = self._require_cluster()
+        if not c.elastic:
+            raise UsageError("%dist_scale needs an elastic cluster: %dist_start -n N --elastic")
+        n = parse_n(args.n, c.launcher)
+        if n < (c.n or 0):
+            raise UsageError(f"%dist_scale -n {n}: the world has {c.n} ranks; it grows only "
+                             "(a smaller world comes from ranks leaving)")
+        if n == c.n:
+            display.notice(f"the elastic world already has {n} ranks")
+            return
+        self._claim()
+        try:
+            self._ensure(n)
         finally:
             self._busy.release()
 

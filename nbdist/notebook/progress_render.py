@@ -75,6 +75,12 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def events_html(events: Sequence[str], last: int = 3) -> str:
+    """The elastic run's latest events (rank lost, resized, resumed) under the status line."""
+    lines = "".join(f'<div class="nbdist-event">{html.escape(e)}</div>' for e in events[-last:])
+    return f'<div style="font-family:monospace;color:#b35900">{lines}</div>'
+
+
 def status_html(*, state: str, step: int | None, total: int | None, elapsed: float | None,
                 rate: float | None, desc: str | None, failed_rank: int | None = None) -> str:
     """The line beside the bar: state, step/total, elapsed<ETA, rate."""

@@ -49,7 +49,11 @@ class RunState:
         self.metrics: dict = {}
         self.history: list[tuple[float, int, dict]] = []  # rank 0's points, in order
         self.series: dict[str, list] = {}  # per metric, its values in history order
-        self._next_point = 0  # index of rank 0's next history key to read
+        # per engine: the index of its next history key (after an elastic resize another
+        # engine is rank 0, and its history keys count from its own first point)
+        self._next_points: dict[int, int] = {}
+        self.events: list[str] = []  # elastic events: rank lost, resized, resumed (in order)
+        self.lost: set[int] = set()  # engines (indices) an elastic run lost: their data is stale
         self._rate_samples: deque = deque()
 
     # ---- ingest -------------------------------------------------------------------------
@@ -57,7 +61,7 @@ class RunState:
         """Fold in the engines' published data (AsyncResult.data); True if anything changed."""
         changed = False
         for index, data in enumerate(per_engine):
-            if not data:
+            if not data or index in self.lost:
                 continue
             state = data.get(STATE_KEY)
             if not state:
@@ -72,10 +76,10 @@ class RunState:
                 row["step"], row["total"] = state.get("step"), state.get("total")
                 changed = True
             if rank == 0:  # only rank 0 publishes metrics: it is the headline
-                changed |= self._ingest_headline(state, data)
+                changed |= self._ingest_headline(state, data, index)
         return changed
 
-    def _ingest_headline(self, state: Mapping, data: Mapping) -> bool:
+    def _ingest_headline(self, state: Mapping, data: Mapping, index: int = 0) -> bool:
         changed = False
         now = state.get("time")
         step = state.get("step")
@@ -96,11 +100,11 @@ class RunState:
             changed = True
         # History points live under their own keys (nothing is overwritten between polls).
         while True:
-            point = data.get(HISTORY_PREFIX + str(self._next_point))
+            point = data.get(HISTORY_PREFIX + str(self._next_points.get(index, 0)))
             if point is None:
                 break
             self._add_point(point)
-            self._next_point += 1
+            self._next_points[index] = self._next_points.get(index, 0) + 1
             changed = True
         return changed
 
@@ -113,9 +117,18 @@ class RunState:
             if name in values:
                 series.append(values[name])
 
+    def event(self, text: str, lost_index: int | None = None) -> None:
+        """An elastic event (shown under the status line); lost_index: the engine it lost."""
+        self.events.append(text)
+        if lost_index is not None and lost_index < len(self.ranks):
+            self.lost.add(lost_index)
+            self.ranks[lost_index]["state"] = "lost"
+
     def set_engine_status(self, statuses: Sequence[str | None]) -> None:
         """Per-engine completion from the AsyncResult: None (running), 'ok', 'error'."""
         for index, status in enumerate(statuses):
+            if index in self.lost:
+                continue
             if index < len(self.ranks) and status is not None:
                 self.ranks[index]["state"] = "done" if status == "ok" else "failed"
 
@@ -164,9 +177,10 @@ class RunState:
         return [{"step": step, "time": round(t - t0, 6), **values} for t, step, values in self.history]
 
     def text_line(self) -> str:
-        return render.format_text_line(step=self.step, total=self.total, elapsed=self.elapsed,
+        line = render.format_text_line(step=self.step, total=self.total, elapsed=self.elapsed,
                                        rate=self.rate, metrics=self.metrics, desc=self.desc,
                                        state=self.state, ranks=self.ranks)
+        return line + (f" [{self.events[-1]}]" if self.events else "")
 
 
 # ---- frontends ------------------------------------------------------------------------------
@@ -250,6 +264,8 @@ class WidgetView:
         self.status.value = render.status_html(state=run.state, step=run.step, total=run.total,
                                                elapsed=run.elapsed, rate=run.rate, desc=run.desc,
                                                failed_rank=run.failed_rank)
+        if run.events:
+            self.status.value += render.events_html(run.events)
         self.metrics.value = render.metrics_html(run.metrics, run.series)
         self.ranks.value = render.ranks_html(run.ranks)
 
@@ -339,6 +355,15 @@ class ProgressView:
         except Exception as exc:  # a display problem must never fail the user's training cell
             self._broken = True
             warnings.warn(f"nbdist progress view stopped: {exc!r}", RuntimeWarning, stacklevel=2)
+
+    def event(self, text: str, lost_index: int | None = None) -> None:
+        """Show an elastic event now (see RunState.event); never fails the cell."""
+        try:
+            self.run.event(text, lost_index)
+            if self.frontend is not None:
+                self.frontend.render(force=True)
+        except Exception:
+            pass
 
     def finish(self, state: str, failed_rank: int | None = None) -> None:
         """The cell ended (done, failed, interrupted, timeout): draw the final state once."""

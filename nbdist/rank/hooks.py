@@ -26,9 +26,10 @@ _state: dict = {"rank": None}
 
 
 def _mpi_rank_size() -> tuple[int, int]:
-    from mpi4py import MPI
+    from ..common.world import world_comm  # COMM_WORLD, or an elastic run's current world
 
-    return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    comm = world_comm()
+    return comm.Get_rank(), comm.Get_size()
 
 
 def _on_cell_error(shell, etype, value, tb, tb_offset=None):

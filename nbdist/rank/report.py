@@ -279,6 +279,13 @@ def get_reporter() -> Reporter:
     return _reporter
 
 
+def rank_changed(rank: int) -> None:
+    """The runtime (re)started as `rank` (after an elastic resize): rank 0 sends the headline."""
+    if _reporter is not None:
+        _reporter.rank = rank
+        _reporter.headline = rank == 0
+
+
 def report(step: int | None = None, total: int | None = None, *, desc: str | None = None,
            flush: bool = False, **metrics: Any) -> bool:
     """Report training progress from every rank: step (default: one more), total, rank 0's metrics.

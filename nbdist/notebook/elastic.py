@@ -1,0 +1,209 @@
+"""The notebook kernel as the elastic driver (docs/elastic.md).
+
+An elastic cluster (`%dist_start -n 4 --elastic` / `%%distributed -n 4 --elastic --min-np 2`)
+starts its engines so that one rank's death leaves the others running (cluster.py:
+hydra's -disable-auto-cleanup, each engine under nbdist.rank.survive). The kernel then
+decides every world, as Horovod's driver does:
+
+- while an elastic cell runs, ElasticWatch.poll() (called by the cell loop) notices a
+  dead rank (its pid is gone: one node, so the kernel sees the ranks' processes), waits
+  SETTLE_S for deaths close together (two kills at once are one resize), and publishes
+  the survivors' world (nbdist.common.world.write_plan). The survivors, whose runtime
+  failed with HorovodInternalError within ~0.1 s, restore their last commit, build that
+  world and go on (nbdist.common.elastic). Below --min-np it publishes an abort instead,
+  and the cell fails naming the lost ranks and the minimum.
+- grow() starts new engines (an extra ipyparallel engine set: its own mpiexec) and
+  publishes a world with them as joiners; the ranks take them in (MPI accept/connect).
+
+The kernel keeps `cluster.ranks` in the new world's order, so %dist_status, --targets and
+the next cells see the resized world. One node only: plans are files in the kernel's
+private folder and ranks are known by pid.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from ..common.world import pid_alive, write_plan
+from ..failure import FailureReport, rank_ranges
+from ..mpi.deaths import DeathWatch
+from . import display
+
+SETTLE_S = 0.3  # after a first death, wait this long for others (two kills at once: one resize)
+JOIN_TIMEOUT_S = 120.0
+
+
+def _publish(cluster, pids: list[int], joiners: list[int] | None = None, abort: str = "") -> int:
+    """Publish the next world; returns its generation."""
+    cluster.generation += 1
+    write_plan(cluster.elastic_dir, {"generation": cluster.generation, "pids": pids,
+                                     "joiners": joiners or [], "abort": abort})
+    return cluster.generation
+
+
+def _renumber(cluster, order: list) -> None:
+    """cluster.ranks in the new world's order (RankInfo objects), and a fresh death watch."""
+    cluster.ranks = {new: replace(info, rank=new) for new, info in enumerate(order)}
+    cluster.n = len(order)
+    if cluster._death_watch is not None:
+        cluster._death_watch.stop()
+    cluster._death_watch = DeathWatch({r: info.pid for r, info in cluster.ranks.items()})
+
+
+def dead_ranks(cluster) -> list[int]:
+    """The ranks of the current world whose process is gone."""
+    return sorted(r for r, info in cluster.ranks.items() if not pid_alive(info.pid))
+
+
+class ElasticWatch:
+    """The cell loop's elastic side: shrink the world on deaths, or fail below min_np."""
+
+    def __init__(self, cluster, min_np: int, progress=None, labels: dict[int, tuple[int, int]] | None = None):
+        self.cluster = cluster
+        self.min_np = min_np
+        self.progress = progress
+        # engine id -> (the rank it had when the cell started, its index in the AsyncResult)
+        self.labels = labels or {}
+        self.lost_engines: set[int] = set()
+        self.failure: FailureReport | None = None
+        self.events: list[str] = []
+        self.lost_at: float | None = None
+        self.resized_at: float | None = None
+        self.step_at_resize = None
+        self.resumed = True
+
+    def _event(self, text: str, lost_index: int | None = None) -> None:
+        self.events.append(text)
+        display.notice(f"elastic: {text}", "warning")
+        if self.progress is not None:
+            self.progress.event(text, lost_index)
+
+    def poll(self) -> bool:
+        """Handle deaths since the last call; False when the run cannot go on (see .failure)."""
+        cluster = self.cluster
+        self._check_resumed()
+        dead = dead_ranks(cluster)
+        if not dead:
+            return True
+        self.lost_at = time.monotonic()
+        time.sleep(SETTLE_S)
+        dead = dead_ranks(cluster)
+        size = len(cluster.ranks)
+        survivors = [r for r in sorted(cluster.ranks) if r not in dead]
+        lost_info = [cluster.ranks[r] for r in dead]
+        for info in lost_info:
+            self.lost_engines.add(info.engine_id)
+        names = ", ".join(f"rank {r} (pid {cluster.ranks[r].pid})" for r in dead)
+        if len(survivors) < self.min_np:
+            reason = (f"the elastic run lost {names}: {len(survivors)} rank"
+                      f"{'s' if len(survivors) != 1 else ''} left, below --min-np {self.min_np}")
+            _publish(cluster, [cluster.ranks[r].pid for r in survivors], abort=reason)
+            for info in lost_info:
+                self._event(f"lost rank {info.rank}", self.labels.get(info.engine_id, (None, None))[1])
+            lost = sorted(self.labels[e][0] for e in self.lost_engines if e in self.labels)
+            self.failure = FailureReport(reason, None, [], [
+                f"ranks lost in this cell: {rank_ranges(lost)} (numbered as when the cell started)"])
+            return False
+        _publish(cluster, [cluster.ranks[r].pid for r in survivors])
+        _renumber(cluster, [cluster.ranks[r] for r in survivors])
+        for info in lost_info:
+            self._event(f"lost rank {info.rank} (pid {info.pid})", self.labels.get(info.engine_id, (None, None))[1])
+        self._event(f"resized {size} -> {len(survivors)} ranks (generation {cluster.generation}); "
+                    f"resuming from the last commit")
+        self.resized_at = time.monotonic()
+        self.step_at_resize = self.progress.run.step if self.progress is not None else None
+        self.resumed = False
+        return True
+
+    def _check_resumed(self) -> None:
+        """'resumed at step S' once rank 0 reports a new step after the resize."""
+        if self.resumed or self.progress is None:
+            return
+        run = self.progress.run
+        if run.step is not None and run.step != self.step_at_resize:
+            self.resumed = True
+            took = time.monotonic() - (self.lost_at or time.monotonic())
+            self._event(f"resumed at step {run.step} on {len(self.cluster.ranks)} ranks "
+                        f"({took:.1f} s after the loss was seen)")
+
+    def ignores(self, engine_id: int) -> bool:
+        """True for an engine this run lost: its EngineError is the event, not the cell's error."""
+        return engine_id in self.lost_engines
+
+
+def grow(cluster, k: int) -> None:
+    """Start k engines and take them into the world (between cells: every rank is idle).
+
+    The running ranks rebuild their world with the newcomers (nbdist.common.world), and
+    their runtime is started again where it ran; the newcomers hold no names from earlier
+    cells: an elastic run's state.sync() (or the next cell) gives them the state.
+    """
+    if k <= 0:
+        return
+    old = [cluster.ranks[r] for r in sorted(cluster.ranks)]
+    new_ids = _start_engines(cluster, k)
+    view = cluster.client[new_ids]
+    import os
+    import socket
+
+    code = ("import nbdist.rank.hooks as __nbdist_engine\n"
+            f"__nbdist_info = __nbdist_engine.setup({os.getpid()}, {socket.gethostname()!r})\n")
+    view.execute(code, block=True, silent=True)
+    infos = view.pull("__nbdist_info", block=True)
+    view.execute("del __nbdist_info, __nbdist_engine", block=True, silent=True)
+    from .cluster import RankInfo
+
+    newcomers = [RankInfo(rank=len(old) + i, engine_id=eid, host=info["host"], pid=info["pid"],
+                          local_rank=len(old) + i, gpus=info["gpus"], extra=info)
+                 for i, (eid, info) in enumerate(zip(new_ids, infos))]
+    order = old + newcomers
+    _publish(cluster, [info.pid for info in order], joiners=[info.pid for info in newcomers])
+    everyone = cluster.client[[info.engine_id for info in order]]
+    ar = everyone.apply_async(_adopt_world, any_initialized(cluster, old))
+    if not ar.wait(JOIN_TIMEOUT_S):
+        raise RuntimeError(f"the ranks did not build the grown world within {JOIN_TIMEOUT_S:.0f} s")
+    ar.get()
+    _renumber(cluster, order)
+    cluster._wait_for_engines(len(order))
+
+
+def any_initialized(cluster, infos) -> bool:
+    """Whether the runtime runs on the ranks (then it runs again on the grown world)."""
+    ar = cluster.client[[i.engine_id for i in infos]].apply_async(_is_initialized)
+    ar.wait(30)
+    return any(ar.get())
+
+
+def _is_initialized() -> bool:
+    import sys
+
+    common = sys.modules.get("nbdist.common")
+    return bool(common is not None and common.is_initialized())
+
+
+def _adopt_world(start_runtime: bool) -> int:
+    """On every rank (old and new): move to the driver's newest world; start the runtime there
+    if it ran before. Returns the rank in the new world."""
+    from nbdist.common import basics, world
+
+    plan = world.read_plan()
+    if plan is None or int(plan["generation"]) <= world.generation():
+        raise RuntimeError("no newer elastic world was published")
+    basics.shutdown()
+    world.rebuild(plan)
+    if start_runtime:
+        basics.init()
+    return world.world_comm().rank
+
+
+def _start_engines(cluster, k: int) -> list[int]:
+    """k more engines as a new engine set (its own mpiexec); their engine ids."""
+    before = set(cluster.client.ids)
+    cluster.cluster.start_engines_sync(k, environment=cluster.engine_env)
+    cluster._open_output_files()
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    while len(set(cluster.client.ids) - before) < k:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{k} new engine(s) did not register within {JOIN_TIMEOUT_S:.0f} s")
+        time.sleep(0.05)
+    return sorted(set(cluster.client.ids) - before)
