@@ -40,18 +40,33 @@ def is_reduced(grad) -> bool:
 
 def reduce_gradients(grads, variables, prefix: str, op=None, compression=Compression.none,
                      sparse_as_dense=False, gradient_predivide_factor=1.0,
-                     process_set=None) -> list:
+                     process_set=None, local=(), scale_local=True) -> list:
     """The gradients averaged (or `op`-reduced) over ranks, in the order given; None stays None.
 
     `variables` name the ops (one per gradient); `prefix` tells apart the callers, e.g.
     "DistributedGradientTape" and "DistributedOptimizer". With a `process_set` the
     gradients are reduced over its ranks; a rank outside it keeps its own (as Horovod).
+    The gradients of the `local` variables (Horovod's local layers) stay on this rank;
+    with `scale_local` they are divided by the number of ranks, to match the averaged
+    scale of the others (Horovod's scale_local_gradients).
     """
     op = _c.ops.resolve_op(op, prefix)
     grads = list(grads)
     variables = list(variables) if variables is not None else [None] * len(grads)
     if len(variables) != len(grads):
         raise ValueError(f"{prefix}: {len(grads)} gradients for {len(variables)} variables")
+    keep = {id(v) for v in local}
+    if keep:
+        shared = [i for i, v in enumerate(variables) if id(v) not in keep]
+        reduced = reduce_gradients([grads[i] for i in shared], [variables[i] for i in shared],
+                                   prefix, op, compression, sparse_as_dense,
+                                   gradient_predivide_factor, process_set)
+        size = _ps.size_of(process_set) if _ps.is_member(process_set) else 1
+        out = [g / tf.cast(size, g.dtype) if scale_local and size > 1 and g is not None else g
+               for g in grads]
+        for i, g in zip(shared, reduced):
+            out[i] = g
+        return out
     if not _ps.is_member(process_set):
         return grads
     ps = None if process_set is None else check_process_set(process_set, prefix)

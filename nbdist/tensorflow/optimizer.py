@@ -37,6 +37,9 @@ class _Options:
     sparse_as_dense: bool = False
     gradient_predivide_factor: float = 1.0
     process_set: object = None
+    backward_passes_per_step: int = 1
+    average_aggregated_gradients: bool = False
+    scale_local_gradients: bool = True
 
 
 def _reduce(optimizer, grads: list, variables: list) -> list:
@@ -45,15 +48,45 @@ def _reduce(optimizer, grads: list, variables: list) -> list:
     todo = [i for i, g in enumerate(grads) if g is not None and not is_reduced(g)]
     if not todo:
         return grads
+    local_ids = getattr(optimizer, "_nbdist_local", ())
     reduced = reduce_gradients([grads[i] for i in todo], [variables[i] for i in todo],
                                options.prefix, op=options.op, compression=options.compression,
                                sparse_as_dense=options.sparse_as_dense,
                                gradient_predivide_factor=options.gradient_predivide_factor,
-                               process_set=options.process_set)
+                               process_set=options.process_set,
+                               local=[variables[i] for i in todo if id(variables[i]) in local_ids],
+                               scale_local=options.scale_local_gradients)
     grads = list(grads)
     for i, g in zip(todo, reduced):
         grads[i] = g
     return grads
+
+
+def _accumulating(optimizer) -> bool:
+    options = getattr(optimizer, "_nbdist_options", None)
+    return options is not None and options.backward_passes_per_step > 1
+
+
+def _reduce_accumulated(optimizer, grads: list) -> list:
+    """At Keras' update step: the N accumulated gradients, reduced over ranks.
+
+    Keras hands the mean of the N passes' gradients; Horovod reduces their sum unless
+    average_aggregated_gradients, so the mean is scaled back up first. Each rank runs
+    this once every N steps, so the ranks communicate once per N passes.
+    """
+    options = optimizer._nbdist_options
+    if not options.average_aggregated_gradients:
+        steps = options.backward_passes_per_step
+        grads = [g if g is None else g * tf.cast(steps, g.dtype) for g in grads]
+    return _reduce(optimizer, grads, optimizer._nbdist_step_variables)
+
+
+def _local_ids(optimizer) -> set:
+    ids = getattr(optimizer, "_nbdist_local", None)
+    if ids is None:
+        ids = set()
+        object.__setattr__(optimizer, "_nbdist_local", ids)  # not tracked by Keras
+    return ids
 
 
 def _is_keras3(base: type) -> bool:
@@ -78,12 +111,27 @@ def distributed_class(base: type) -> type:
                        "__doc__": f"{base.__name__} that averages gradients over nbdist ranks."}
     if _is_keras3(base):
         def apply(self, grads, trainable_variables=None):
+            if _accumulating(self):  # reduced at Keras' update step (_clip_gradients below)
+                return base.apply(self, grads, trainable_variables)
             variables = (list(trainable_variables) if trainable_variables is not None
                          else list(self._trainable_variables))
             grads = _reduce(self, list(grads), variables)
             return base.apply(self, grads, variables if trainable_variables is not None
                               else None)
-        namespace["apply"] = apply
+
+        def _backend_apply_gradients(self, grads, trainable_variables):
+            # the variables of this step (Keras has filtered out those without a gradient),
+            # for the op names of the reduction in _clip_gradients
+            object.__setattr__(self, "_nbdist_step_variables", list(trainable_variables))
+            return base._backend_apply_gradients(self, grads, trainable_variables)
+
+        def _clip_gradients(self, grads):
+            if _accumulating(self):
+                grads = _reduce_accumulated(self, list(grads))
+            return base._clip_gradients(self, grads)
+
+        namespace.update(apply=apply, _backend_apply_gradients=_backend_apply_gradients,
+                         _clip_gradients=_clip_gradients)
     else:
         def apply_gradients(self, grads_and_vars, *args, **kwargs):
             pairs = list(grads_and_vars)
@@ -91,6 +139,11 @@ def distributed_class(base: type) -> type:
             return base.apply_gradients(self, list(zip(grads, [v for _, v in pairs])),
                                         *args, **kwargs)
         namespace["apply_gradients"] = apply_gradients
+    def register_local_var(self, var):
+        """Keep `var`'s gradient on this rank (not reduced), as Horovod's."""
+        _local_ids(self).add(id(var))
+
+    namespace["register_local_var"] = register_local_var
     if isinstance(inspect.getattr_static(base, "variables", None), property):
         prop = inspect.getattr_static(base, "variables")
         namespace["variables"] = property(lambda self: CallableList(prop.fget(self)),
@@ -144,21 +197,79 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
 
     if _ps.is_member(process_set):
         check_process_set(process_set, "DistributedOptimizer")
-    if backward_passes_per_step != 1:
-        raise NotImplementedError(
-            "DistributedOptimizer: backward_passes_per_step > 1 is not supported; with Keras 3 "
-            "pass gradient_accumulation_steps=N to the optimizer itself instead")
     _check_keras_optimizer(optimizer)
+    steps = _check_passes(optimizer, backward_passes_per_step)
     options = _Options(prefix=name or "DistributedOptimizer", op=op, compression=compression,
                        sparse_as_dense=sparse_as_dense,
                        gradient_predivide_factor=gradient_predivide_factor,
-                       process_set=process_set)
+                       process_set=process_set, backward_passes_per_step=steps,
+                       average_aggregated_gradients=average_aggregated_gradients,
+                       scale_local_gradients=scale_local_gradients)
     if getattr(optimizer, "_nbdist_distributed", False) or _has_state(optimizer):
-        return wrap_in_place(optimizer, options)
+        return _accumulate(wrap_in_place(optimizer, options), steps)
     cls = distributed_class(type(optimizer))
     try:
         new = cls.from_config(optimizer.get_config())
     except Exception:  # a custom optimizer whose config does not round-trip
-        return wrap_in_place(optimizer, options)
+        return _accumulate(wrap_in_place(optimizer, options), steps)
     object.__setattr__(new, "_nbdist_options", options)
-    return new
+    return _accumulate(new, steps)
+
+
+def _check_passes(optimizer, backward_passes_per_step) -> int:
+    """backward_passes_per_step, checked: > 1 needs an unbuilt Keras 3 optimizer."""
+    steps = int(backward_passes_per_step)
+    if steps < 1:
+        raise ValueError(f"DistributedOptimizer: backward_passes_per_step must be >= 1, got "
+                         f"{backward_passes_per_step}")
+    if steps == 1:
+        return steps
+    if not _is_keras3(type(optimizer)):
+        raise NotImplementedError(
+            "DistributedOptimizer: backward_passes_per_step > 1 needs a Keras 3 optimizer "
+            "(keras.optimizers.*); tf-keras optimizers are not supported")
+    if getattr(optimizer, "gradient_accumulation_steps", None):
+        raise ValueError("DistributedOptimizer: pass either backward_passes_per_step or the "
+                         "optimizer's own gradient_accumulation_steps, not both")
+    if getattr(optimizer, "built", False):
+        raise ValueError("DistributedOptimizer: backward_passes_per_step > 1 needs an "
+                         "optimizer that has not been built yet (its gradient accumulators "
+                         "are made when it is built)")
+    return steps
+
+
+def _accumulate(optimizer, steps: int):
+    """Let Keras 3 accumulate `steps` passes' gradients locally (its own accumulators and
+    update step); the distributed class reduces them once, at the update step.
+
+    As with Keras' gradient_accumulation_steps, `optimizer.iterations` counts updates.
+    """
+    if steps > 1:
+        optimizer.gradient_accumulation_steps = steps
+    return optimizer
+
+
+def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
+                                compression=Compression.none, sparse_as_dense=False,
+                                gradient_predivide_factor=1.0, op=None,
+                                backward_passes_per_step=1, average_aggregated_gradients=False,
+                                groups=None, process_set=None, local_layers=None,
+                                scale_local_gradients=True):
+    """A DistributedOptimizer whose `local_layers`' variables keep their own gradients.
+
+    Those gradients are not reduced; with scale_local_gradients they are divided by the
+    number of ranks (Horovod's default). More can be kept local with
+    `optimizer.register_local_var(variable)` (Keras 3).
+    """
+    opt = DistributedOptimizer(optimizer, name or "PartialDistributedOptimizer", device_dense,
+                               device_sparse, compression, sparse_as_dense,
+                               gradient_predivide_factor, op, backward_passes_per_step,
+                               average_aggregated_gradients, groups=groups,
+                               process_set=process_set,
+                               scale_local_gradients=scale_local_gradients)
+    layers = local_layers if isinstance(local_layers, (list, tuple)) else (
+        [] if local_layers is None else [local_layers])
+    ids = _local_ids(opt)
+    for layer in layers:
+        ids.update(id(v) for v in layer.trainable_weights)
+    return opt

@@ -21,24 +21,12 @@ def _distributed_class(base: type) -> type:
             flat_sources = tf.nest.flatten(sources)
             flat_grads = tf.nest.flatten(grads, expand_composites=False)
             local = [id(v) in self._nbdist_local for v in flat_sources]
-            shared = [(g, v) for g, v, loc in zip(flat_grads, flat_sources, local) if not loc]
-            reduced = iter(reduce_gradients([g for g, _ in shared], [v for _, v in shared],
-                                            self._nbdist_prefix, **self._nbdist_options)
-                           if shared else [])
-            process_set = self._nbdist_options["process_set"]
-            size = _ps.size_of(process_set) if _ps.is_member(process_set) else 1
-            out_local, out_global = [], []
-            for g, loc in zip(flat_grads, local):
-                if loc:
-                    # Horovod: local gradients are divided by the ranks (scale_local_gradients)
-                    # so they match the averaged scale of the others
-                    if g is not None and self._nbdist_scale_local and size > 1:
-                        g = g / tf.cast(size, g.dtype)
-                    out_local.append(g)
-                    out_global.append(None)
-                else:
-                    out_local.append(None)
-                    out_global.append(next(reduced))
+            reduced = reduce_gradients(flat_grads, flat_sources, self._nbdist_prefix,
+                                       local=[v for v, loc in zip(flat_sources, local) if loc],
+                                       scale_local=self._nbdist_scale_local,
+                                       **self._nbdist_options)
+            out_local = [g if loc else None for g, loc in zip(reduced, local)]
+            out_global = [None if loc else g for g, loc in zip(reduced, local)]
             return grads, out_local, out_global
 
         def gradient(self, target, sources, output_gradients=None,

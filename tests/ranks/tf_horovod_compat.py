@@ -153,3 +153,48 @@ def test_sync_batch_normalization_uses_the_global_batch(mode):
     start = sum(3 + r for r in range(R))
     np.testing.assert_allclose(out.numpy(), everything.numpy()[start:start + 3 + R],
                                rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("average", [False, True])
+def test_backward_passes_per_step_reduces_once_per_n_passes(mode, average):
+    """Keras 3: N passes accumulate on each rank; the Nth applies their reduced sum (or mean)."""
+    import keras
+    import nbdist.keras as hvd_keras
+
+    v = keras.Variable([0.0])
+    opt = hvd_keras.DistributedOptimizer(keras.optimizers.SGD(1.0), backward_passes_per_step=2,
+                                         average_aggregated_gradients=average,
+                                         name=f"bpps.{mode}.{average}")
+    opt.build([v])
+    step = lambda: opt.apply_gradients([(tf.constant([float(R + 1)]), v)])  # noqa: E731
+    step = step if mode == "eager" else tf.function(step)
+    step()
+    assert v.numpy().tolist() == [0.0]  # the first pass only accumulates
+    step()
+    mean = np.mean([r + 1.0 for r in range(N)])  # the ranks' gradient, averaged
+    np.testing.assert_allclose(v.numpy(), [-(1 if average else 2) * mean])
+    built = keras.optimizers.SGD(1.0)
+    built.build([v])
+    with pytest.raises(ValueError, match="not been built"):
+        hvd_keras.DistributedOptimizer(built, backward_passes_per_step=2)
+
+
+def test_partial_distributed_optimizer_keeps_local_layers_local():
+    import keras
+    import nbdist.keras as hvd_keras
+
+    local = keras.layers.Dense(1, kernel_initializer=keras.initializers.Constant(R + 1.0),
+                               use_bias=False)
+    head = keras.layers.Dense(1, kernel_initializer="ones", use_bias=False)
+    x = tf.ones([1, 2])
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(head(local(x)))
+    grads = tape.gradient(loss, [local.kernel, head.kernel])
+    opt = hvd_keras.PartialDistributedOptimizer(keras.optimizers.SGD(1.0), local_layers=[local])
+    before = local.kernel.numpy().copy()
+    opt.apply_gradients(zip(grads, [local.kernel, head.kernel]))
+    # the local layer stepped with its own gradient / size(); the head with the average
+    np.testing.assert_allclose(local.kernel.numpy(), before - grads[0].numpy() / N, rtol=1e-6)
+    mean_head = np.mean([2.0 * (r + 1) for r in range(N)])
+    np.testing.assert_allclose(head.kernel.numpy(), [[1.0 - mean_head]], rtol=1e-6)

@@ -11,7 +11,8 @@ globals().update({_n: getattr(_tfmod, _n) for _n in dir(_tfmod)
 
 from . import callbacks  # noqa: E402
 from ..compression import Compression  # noqa: E402
-from ..optimizer import DistributedOptimizer, _Options, wrap_in_place  # noqa: E402
+from ..optimizer import (DistributedOptimizer, PartialDistributedOptimizer,  # noqa: E402
+                         _Options, wrap_in_place)
 
 
 def load_model(filepath, custom_optimizers=None, custom_objects=None,
