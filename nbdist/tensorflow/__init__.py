@@ -13,6 +13,7 @@ from nbdist import common as _common
 # numpy collectives with their TensorFlow forms.
 globals().update({_n: getattr(_common, _n) for _n in dir(_common) if not _n.startswith("_")})
 
+from . import elastic  # noqa: E402
 from .compression import Compression  # noqa: E402
 from .functions import (allgather_object, broadcast_global_variables,  # noqa: E402
                         broadcast_object, broadcast_object_fn, broadcast_variables)

@@ -7,9 +7,9 @@ Keras 3, or tf-keras with TF_USE_LEGACY_KERAS=1.
 import nbdist.tensorflow as _tfmod
 
 globals().update({_n: getattr(_tfmod, _n) for _n in dir(_tfmod)
-                  if not _n.startswith("_") and _n not in ("keras",)})
+                  if not _n.startswith("_") and _n not in ("keras", "elastic")})
 
-from . import callbacks  # noqa: E402
+from . import callbacks, elastic  # noqa: E402
 from ..compression import Compression  # noqa: E402
 from ..optimizer import (DistributedOptimizer, PartialDistributedOptimizer,  # noqa: E402
                          _Options, wrap_in_place)
