@@ -5,8 +5,10 @@ One notebook on one elastic cluster (4 ranks, --min-np 2):
      ranks, every sample of the epoch seen exactly once, the steps go on from the last commit;
   2. %dist_scale -n 4 grows the world back; the new rank gets the state from rank 0;
   3. SIGKILL rank 0: the run goes on on 3 ranks from the new rank 0's copy of the commit;
-  4. grow to 4, then SIGKILL two ranks at once: 2 >= --min-np, the run goes on;
-  5. one more kill leaves 1 < --min-np: the cell fails naming the rank lost and the minimum;
+  4. --max-np 4: a cell that starts on 3 ranks starts a fourth, which joins the running
+     elastic job at its next commit();
+  5. SIGKILL two ranks at once: 2 >= --min-np, the run goes on;
+  6. one more kill leaves 1 < --min-np: the cell fails naming the rank lost and the minimum;
 and nothing (process, /dev/shm segment) is left after the kernel shuts down.
 """
 import json
@@ -18,7 +20,7 @@ import nbharness as h
 LOG = "/tmp/nbdist-elastic-test-{pid}.log"
 
 TRAIN = r'''%%distributed{flags}
-EPOCHS, KILL_AT, TAG, LOG = {epochs}, {kill_at}, {tag!r}, {log!r}
+EPOCHS, KILL_AT, TAG, LOG, UNTIL_SIZE = {epochs}, {kill_at}, {tag!r}, {log!r}, {until}
 import os, time, json, signal
 import torch
 import torch.nn.functional as F
@@ -35,9 +37,9 @@ if "state" not in globals():  # a new rank (grown) starts from scratch; sync giv
                                    named_parameters=model.named_parameters())
     sampler = hvd.elastic.ElasticSampler(range(len(X)), shuffle=True, seed=1)
     state = hvd.elastic.TorchState(model=model, optimizer=opt, sampler=sampler, epoch=0, batch=0,
-                                   seen=[], complete=[], losses=[], sizes=[])
-pids = hvd.allgather_object(os.getpid())
+                                   seen=[], complete=[], losses=[], sizes=[], epochs_in={{}})
 B = 4
+cell_steps = 0  # steps run in this cell on this rank: the kills are keyed by it
 
 def log(**record):
     with open(LOG, "a") as f:
@@ -45,8 +47,13 @@ def log(**record):
 
 @hvd.elastic.run
 def train(state):
+    global cell_steps
+    pids = hvd.allgather_object(os.getpid())  # collectives only inside the elastic function
     done = []  # this cell's samples since the last commit, on this rank
-    while state.epoch < EPOCHS:
+    # EPOCHS more epochs in this cell (counted in the state: a rank that joins learns it at the
+    # sync), then on (up to 30 more) until an epoch ended with a step on UNTIL_SIZE ranks
+    while (state.epochs_in.get(TAG, 0) < EPOCHS
+           or (state.sizes[-1] < UNTIL_SIZE and state.epochs_in.get(TAG, 0) < EPOCHS + 30)):
         # the same number of steps on every rank (the last step's batches may be short or empty)
         per_rank = -(-len(state.sampler.remaining_indices) // hvd.size())
         for i in range(-(-per_rank // B)):
@@ -63,7 +70,8 @@ def train(state):
             state.sizes.append(hvd.size())
             log(tag=TAG, rank=hvd.rank(), size=hvd.size(), batch=state.batch)
             nbdist.report(step=state.batch, loss=total)
-            victims = KILL_AT.get(state.batch, [])
+            cell_steps += 1
+            victims = KILL_AT.get(cell_steps, [])
             marker = f"{{LOG}}.{{TAG}}.killed"
             if victims and hvd.rank() == min(set(range(hvd.size())) - set(victims)) and not os.path.exists(marker):
                 open(marker, "w").close()
@@ -79,6 +87,7 @@ def train(state):
         done.clear()
         state.complete.append(sorted(state.seen) == list(range(len(X))))
         state.seen = []
+        state.epochs_in[TAG] = state.epochs_in.get(TAG, 0) + 1
         state.epoch += 1
         state.sampler.set_epoch(state.epoch)
         state.commit()
@@ -108,8 +117,8 @@ print("FOOTPRINT " + _json.dumps({"pids": _pids, "shm": _shm, "n": _c.n}))
 '''
 
 
-def _train(log, tag, epochs, kill_at, flags=""):
-    return TRAIN.format(flags=flags, epochs=epochs, kill_at=kill_at, tag=tag, log=log)
+def _train(log, tag, epochs, kill_at, flags="", until=0):
+    return TRAIN.format(flags=flags, epochs=epochs, kill_at=kill_at, tag=tag, log=log, until=until)
 
 
 @pytest.fixture(scope="module")
@@ -119,12 +128,12 @@ def executed(tmp_path_factory):
         "%load_ext nbdist",
         _train(log, "kill2", 1, {7: [2]}, " -n 4 --elastic --min-np 2 --no-widgets"),
         "%dist_scale -n 4",
-        _train(log, "grown", 2, {}),
-        _train(log, "kill0", 3, {40: [0]}),
-        "%dist_scale -n 4",
-        _train(log, "kill12", 4, {58: [1, 2]}),
+        _train(log, "grown", 1, {}),
+        _train(log, "kill0", 1, {10: [0]}),
+        _train(log, "growrun", 1, {}, " --max-np 4", until=4),
+        _train(log, "kill12", 1, {5: [1, 2]}),
         FOOTPRINT,
-        _train(log, "below", 5, {78: [1]}),
+        _train(log, "below", 1, {4: [1]}),
         "%dist_status",
     )
     h.execute(nb, timeout=240)
@@ -184,6 +193,14 @@ def test_killing_rank_0_loses_nothing(executed):
     s, text = _check_run(nb.cells[4], 3)
     assert "elastic: lost rank 0" in text
     print(f"recovery after killing rank 0: {recovery_s(events, 'kill0'):.2f} s")
+
+
+def test_a_running_job_takes_in_new_ranks_at_its_next_commit(executed):
+    nb, _ = executed
+    s, text = _check_run(nb.cells[5], 4)
+    assert "starting 1 new rank to grow back to --max-np 4" in text, text[-3000:]
+    assert "resized 3 -> 4 ranks" in text
+    assert 3 in s["sizes"] and s["sizes"][-1] == 4
 
 
 def test_two_kills_at_once_go_on_at_min_np(executed):

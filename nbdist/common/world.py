@@ -154,6 +154,8 @@ def rebuild(plan: dict) -> None:
                          f"{plan['generation']} (the driver counted it as lost)")
     if me in joiners:
         comm = _join(plan)
+        # tells the driver this rank is in (a join the run never took is called off instead)
+        open(joined_marker(elastic_dir() or ".", int(plan["generation"]), me), "w").close()
     else:
         old = world_comm()
         index = {p: i for i, p in enumerate(_current_pids(old))}
@@ -187,6 +189,11 @@ def _accept(plan: dict, comm):
     return merged
 
 
+def joined_marker(folder: str, generation: int, pid: int) -> str:
+    """The file a joiner writes once it is in the world of `generation` (the driver looks)."""
+    return os.path.join(folder, f"joined-{generation}-{pid}")
+
+
 def _join(plan: dict):
     """A new process (its own mpiexec's COMM_WORLD) connects to the running world."""
     from mpi4py import MPI
@@ -194,6 +201,10 @@ def _join(plan: dict):
     path = _port_file(plan)
     deadline = time.monotonic() + PLAN_WAIT_S
     while not os.path.exists(path):
+        newest = read_plan()
+        if newest and int(newest["generation"]) > int(plan["generation"]):
+            raise WorldError(f"process {os.getpid()}: the elastic run ended before this rank "
+                             "could join it")
         if time.monotonic() > deadline:
             raise WorldError(f"process {os.getpid()}: the running ranks opened no port to join "
                              f"within {PLAN_WAIT_S:.0f} s")

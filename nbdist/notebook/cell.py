@@ -41,6 +41,7 @@ class CellOptions:
     header: str | None = None  # the cell's magic line (the code starts on the next line)
     elastic: bool = False  # a lost rank shrinks the world (nbdist.notebook.elastic), down to min_np
     min_np: int = 1
+    max_np: int | None = None  # elastic: below this many ranks, start new ones (they join the run)
 
 
 class _RankResult:
@@ -75,6 +76,13 @@ class _Streamer:
         self.out = out
         self.offsets = {(r, s): 0 for r in ranks for s in ("stdout", "stderr")}
         self.n_outputs = {r: 0 for r in ranks}
+
+    def add(self, rank: int, child) -> None:
+        """Stream one more engine's output (a rank that joined an elastic run)."""
+        self.children.append((rank, child))
+        self.out.add_rank(rank)
+        self.offsets.update({(rank, "stdout"): 0, (rank, "stderr"): 0})
+        self.n_outputs[rank] = 0
 
     def pump(self) -> None:
         for rank, child in self.children:
@@ -152,7 +160,20 @@ def run(cluster, code: str, opts: CellOptions):
         from .elastic import ElasticWatch
 
         watch = ElasticWatch(cluster, opts.min_np, progress,
-                             {e: (r, i) for i, (r, e) in enumerate(zip(ranks, engines))})
+                             {e: (r, i) for i, (r, e) in enumerate(zip(ranks, engines))},
+                             max_np=opts.max_np)
+
+        def run_on_joiners(engine_ids: list[int]) -> None:
+            """New engines run this cell too: their hvd.init() joins the running world."""
+            joined = cluster.client[engine_ids].execute(_as_in_notebook(code, opts), silent=False,
+                                                        block=False)
+            for eid, child in zip(engine_ids, joined._children):
+                label = max(r for r, _ in streamer.children) + 1  # a number no rank of the cell had
+                streamer.add(label, child)
+                engines.append(eid)
+                watch.labels[eid] = (label, len(engines) - 1)
+
+        watch.on_join = run_on_joiners
 
     t0 = time.monotonic()
     first_error_at = None
@@ -164,11 +185,17 @@ def run(cluster, code: str, opts: CellOptions):
         while True:
             try:
                 done = ar.wait(POLL_S)
-                if watch is not None and not done:
-                    # the lost engines' replies may come late (ipyparallel's heartbeat): the
-                    # cell is done when every engine still in the world is
+                if watch is not None:
+                    # the lost engines' replies may come late (ipyparallel's heartbeat), and
+                    # engines that joined have replies of their own: the cell is done when
+                    # every engine in the world is
                     done = all(c.done() for e, (_, c) in zip(engines, streamer.children)
                                if not watch.ignores(e))
+                    if not done and watch.joining:
+                        watch.joined()
+                        if watch.joining and all(c.done() for e, (_, c) in zip(engines, streamer.children)
+                                                 if not watch.ignores(e) and e not in watch.joining):
+                            watch.call_off_join()  # the run ended before its next commit
                 streamer.pump()
                 if progress is not None:
                     try:

@@ -112,6 +112,13 @@ class RankOutput:
 
     # -- input ------------------------------------------------------------------------------
 
+    def add_rank(self, rank: int) -> None:
+        """A rank that joined while the cell runs (an elastic run grew): its output is grouped too."""
+        if rank not in self._lines:
+            self.ranks.append(rank)
+            self._lines[rank] = []
+            self._dropped[rank] = 0
+
     def add_stream(self, rank: int, name: str, text: str) -> None:
         """New stdout/stderr text from one rank."""
         if not text or self.mode == "none":

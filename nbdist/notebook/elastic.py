@@ -21,10 +21,12 @@ private folder and ranks are known by pid.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import replace
+from typing import Callable
 
-from ..common.world import pid_alive, write_plan
+from ..common.world import joined_marker, pid_alive, write_plan
 from ..failure import FailureReport, rank_ranges
 from ..mpi.deaths import DeathWatch
 from . import display
@@ -58,9 +60,15 @@ def dead_ranks(cluster) -> list[int]:
 class ElasticWatch:
     """The cell loop's elastic side: shrink the world on deaths, or fail below min_np."""
 
-    def __init__(self, cluster, min_np: int, progress=None, labels: dict[int, tuple[int, int]] | None = None):
+    def __init__(self, cluster, min_np: int, progress=None, labels: dict[int, tuple[int, int]] | None = None,
+                 max_np: int | None = None):
         self.cluster = cluster
         self.min_np = min_np
+        self.max_np = max_np
+        # called with new engine ids: they run the cell (and join the world)
+        self.on_join: Callable[[list[int]], None] | None = None
+        self._starting: tuple[int, set[int]] | None = None  # (how many, engine ids before)
+        self.joining: dict[int, tuple[int, int]] = {}  # engine id -> (pid, generation): asked to join
         self.progress = progress
         # engine id -> (the rank it had when the cell started, its index in the AsyncResult)
         self.labels = labels or {}
@@ -84,6 +92,7 @@ class ElasticWatch:
         self._check_resumed()
         dead = dead_ranks(cluster)
         if not dead:
+            self._grow()
             return True
         self.lost_at = time.monotonic()
         time.sleep(SETTLE_S)
@@ -126,6 +135,66 @@ class ElasticWatch:
             self._event(f"resumed at step {run.step} on {len(self.cluster.ranks)} ranks "
                         f"({took:.1f} s after the loss was seen)")
 
+    def _grow(self) -> None:
+        """Below --max-np: start engines; once they registered, publish the world with them as
+        joiners and have them run the cell. The running ranks take them in at their next
+        commit() (HostsUpdatedInterrupt), as Horovod's host updates."""
+        cluster = self.cluster
+        if not self.max_np or self.on_join is None:
+            return
+        if self._starting is None:
+            k = self.max_np - len(cluster.ranks)
+            if k > 0:
+                self._starting = (k, set(cluster.client.ids))
+                cluster.cluster.start_engines_sync(k, environment=cluster.engine_env)
+                cluster._open_output_files()
+                self._event(f"starting {k} new rank{'s' if k != 1 else ''} to grow back to "
+                            f"--max-np {self.max_np}")
+            return
+        k, before = self._starting
+        new = sorted(set(cluster.client.ids) - before)
+        if len(new) < k:
+            return
+        self._starting = None
+        old = [cluster.ranks[r] for r in sorted(cluster.ranks)]
+        newcomers = _describe_new(cluster, new, len(old))
+        size = len(old)
+        _publish(cluster, [i.pid for i in old + newcomers], joiners=[i.pid for i in newcomers])
+        self.joining = {i.engine_id: (i.pid, cluster.generation) for i in newcomers}
+        _renumber(cluster, old + newcomers)
+        self.on_join(new)
+        self._event(f"resized {size} -> {len(cluster.ranks)} ranks (generation {cluster.generation}): "
+                    f"the new rank{'s join' if len(new) != 1 else ' joins'} at the next commit")
+
+    def joined(self) -> None:
+        """Forget the joiners that are in the world now (each wrote its marker)."""
+        for eid, (pid, generation) in list(self.joining.items()):
+            if os.path.exists(joined_marker(self.cluster.elastic_dir, generation, pid)):
+                del self.joining[eid]
+
+    def call_off_join(self) -> None:
+        """The run ended before it took the joiners in (no commit came): stop them, and move the
+        ranks (idle now) to a world without them, so no rank waits for the other side."""
+        cluster = self.cluster
+        if not self.joining:
+            return
+        for eid, (pid, _) in self.joining.items():
+            self.lost_engines.add(eid)
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+        keep = [info for r, info in sorted(cluster.ranks.items()) if info.engine_id not in self.joining]
+        self.joining = {}
+        _publish(cluster, [i.pid for i in keep])
+        _renumber(cluster, keep)
+        ar = cluster.client[[i.engine_id for i in keep]].apply_async(_adopt_world,
+                                                                      any_initialized(cluster, keep))
+        ar.wait(JOIN_TIMEOUT_S)
+        ar.get()
+        self._event(f"the run ended before the new rank joined: it was stopped; "
+                    f"{len(keep)} ranks")
+
     def ignores(self, engine_id: int) -> bool:
         """True for an engine this run lost: its EngineError is the event, not the cell's error."""
         return engine_id in self.lost_engines
@@ -142,20 +211,7 @@ def grow(cluster, k: int) -> None:
         return
     old = [cluster.ranks[r] for r in sorted(cluster.ranks)]
     new_ids = _start_engines(cluster, k)
-    view = cluster.client[new_ids]
-    import os
-    import socket
-
-    code = ("import nbdist.rank.hooks as __nbdist_engine\n"
-            f"__nbdist_info = __nbdist_engine.setup({os.getpid()}, {socket.gethostname()!r})\n")
-    view.execute(code, block=True, silent=True)
-    infos = view.pull("__nbdist_info", block=True)
-    view.execute("del __nbdist_info, __nbdist_engine", block=True, silent=True)
-    from .cluster import RankInfo
-
-    newcomers = [RankInfo(rank=len(old) + i, engine_id=eid, host=info["host"], pid=info["pid"],
-                          local_rank=len(old) + i, gpus=info["gpus"], extra=info)
-                 for i, (eid, info) in enumerate(zip(new_ids, infos))]
+    newcomers = _describe_new(cluster, new_ids, len(old))
     order = old + newcomers
     _publish(cluster, [info.pid for info in order], joiners=[info.pid for info in newcomers])
     everyone = cluster.client[[info.engine_id for info in order]]
@@ -165,6 +221,24 @@ def grow(cluster, k: int) -> None:
     ar.get()
     _renumber(cluster, order)
     cluster._wait_for_engines(len(order))
+
+
+def _describe_new(cluster, engine_ids: list[int], first_rank: int) -> list:
+    """Install the engine hooks on new engines; their RankInfo as ranks first_rank, first_rank+1..."""
+    import os
+    import socket
+
+    from .cluster import RankInfo
+
+    view = cluster.client[engine_ids]
+    code = ("import nbdist.rank.hooks as __nbdist_engine\n"
+            f"__nbdist_info = __nbdist_engine.setup({os.getpid()}, {socket.gethostname()!r})\n")
+    view.execute(code, block=True, silent=True)
+    infos = view.pull("__nbdist_info", block=True)
+    view.execute("del __nbdist_info, __nbdist_engine", block=True, silent=True)
+    return [RankInfo(rank=first_rank + i, engine_id=eid, host=info["host"], pid=info["pid"],
+                     local_rank=first_rank + i, gpus=info["gpus"], extra=info)
+            for i, (eid, info) in enumerate(zip(engine_ids, infos))]
 
 
 def any_initialized(cluster, infos) -> bool:

@@ -149,6 +149,21 @@ def parse_min_np(value, n: int, elastic: bool) -> int | None:
     return m
 
 
+def parse_max_np(value, min_np: int, elastic: bool) -> int | None:
+    """--max-np N: a whole number of ranks >= --min-np, and only for an elastic cluster."""
+    if value is None:
+        return None
+    if not elastic:
+        raise UsageError("--max-np applies to an elastic cluster: add --elastic")
+    try:
+        m = int(str(value).strip())
+    except ValueError:
+        raise UsageError(f"--max-np expects a whole number of ranks, got {value!r}") from None
+    if m < max(min_np, 1) or m > max_local_ranks():
+        raise UsageError(f"--max-np must be between --min-np ({min_np}) and {max_local_ranks()}, got {m}")
+    return m
+
+
 def run_args(func):
     """The options of everything that runs code on the ranks (%%distributed, %dist_run), declared once."""
     shared = [
@@ -219,6 +234,7 @@ class DistributedMagics(Magics):
             if min_np is not None:
                 self.cluster.min_np = min_np
             opts.elastic, opts.min_np = self.cluster.elastic, self.cluster.min_np
+            opts.max_np = parse_max_np(getattr(args, "max_np", None), opts.min_np, opts.elastic)
             if opts.elastic and opts.targets is not None:
                 raise UsageError("--targets cannot be used on an elastic cluster: an elastic run "
                                  "needs every rank")
@@ -258,6 +274,9 @@ class DistributedMagics(Magics):
     @magic_arguments("%distributed")
     @run_args
     @elastic_args
+    @argument("--max-np", dest="max_np", default=None, metavar="N",
+              help="elastic, this cell: while the world has fewer than N ranks, start new ones; "
+                   "they run the cell and join the elastic run at its next commit()")
     @argument("--targets", default=None, metavar="RANKS",
               help="run on these ranks only, e.g. 0 or 0,2-3 (collectives need every rank!)")
     @argument("--gpus", action="store_true", help="give each rank one GPU (its local rank) before the cell runs")
