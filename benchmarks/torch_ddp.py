@@ -6,7 +6,8 @@ Run on 2 ranks (one mpiexec run measures everything, in alternating rounds):
 
 Per round: (1) one rank alone, plain PyTorch, on one rank's batch (the 1-rank baseline),
 (2) every rank with nbdist's DistributedOptimizer, (3) every rank with
-torch.nn.parallel.DistributedDataParallel over gloo (MASTER_ADDR=127.0.0.1, a free port).
+torch.nn.parallel.DistributedDataParallel over gloo (MASTER_ADDR=127.0.0.1, a free port),
+(4) with --per-gradient, nbdist again with bucket_bytes=0 (one allreduce per gradient).
 Same model, per-rank batch, synthetic data and SGD in every phase; each rank uses
 torch.set_num_threads(1), so 2 ranks on 2 cores compare fairly with 1 rank on 1 core.
 Reported: samples/s (global), rank 0's CPU milliseconds per step (all its threads),
@@ -111,6 +112,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per phase and round")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--per-gradient", action="store_true",
+                        help="also run nbdist with bucket_bytes=0 (one allreduce per gradient)")
     parser.add_argument("--json", help="write the figures to this file")
     args = parser.parse_args()
 
@@ -125,6 +128,10 @@ def main() -> None:
     nb_opt = hvd.DistributedOptimizer(torch.optim.SGD(nb_model.parameters(), lr=0.01),
                                       named_parameters=nb_model.named_parameters())
     hvd.broadcast_parameters(nb_model.state_dict(), root_rank=0)
+    pg_model = make_model(args.model)  # the same without buckets (--per-gradient)
+    pg_opt = hvd.DistributedOptimizer(torch.optim.SGD(pg_model.parameters(), lr=0.01),
+                                      named_parameters=pg_model.named_parameters(),
+                                      bucket_bytes=0)
 
     # DDP over gloo, rendezvous on this machine
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -146,6 +153,9 @@ def main() -> None:
         f"torch DDP gloo ({size} ranks)": (
             lambda s: run_steps(ddp_model, ddp_opt, x, y, s), args.batch * size),
     }
+    if args.per_gradient:
+        phases[f"nbdist, no buckets ({size} ranks)"] = (
+            lambda s: run_steps(pg_model, pg_opt, x, y, s), args.batch * size)
     rates = {name: [] for name in phases}
     cpu_ms = {name: [] for name in phases}  # rank 0's CPU per step: compute + communication
     for fn, _ in phases.values():
@@ -176,6 +186,11 @@ def main() -> None:
         paired = statistics.median(a / b for a, b in zip(rates[names[1]], rates[names[2]]))
         print(f"nbdist / DDP throughput: {paired:.2f} (median of per-round ratios; "
               f"ratio of medians {nb / ddp:.2f})")
+        if args.per_gradient:
+            unbucketed = statistics.median(
+                a / b for a, b in zip(rates[names[3]], rates[names[2]]))
+            print(f"nbdist without buckets / DDP throughput: {unbucketed:.2f} "
+                  "(median of per-round ratios)")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"model": args.model, "parameters": params, "batch_per_rank": args.batch,

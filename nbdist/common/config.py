@@ -33,6 +33,9 @@ class Config:
     """The runtime's options, read once at init()."""
 
     fusion_threshold: int = 64 * MiB  # bytes; NBDIST_FUSION_THRESHOLD / HOROVOD_FUSION_THRESHOLD
+    # bytes per gradient bucket of torch's DistributedOptimizer (DDP's 25 MiB default);
+    # NBDIST_BUCKET_BYTES, 0: one allreduce per gradient tensor
+    bucket_bytes: int = 25 * MiB
     cycle_time_ms: float = 1.0  # NBDIST_CYCLE_TIME / HOROVOD_CYCLE_TIME (milliseconds)
     cache_capacity: int = 1024  # NBDIST_CACHE_CAPACITY / HOROVOD_CACHE_CAPACITY (0 disables)
     stall_warning_s: float = 60.0  # NBDIST_STALL_WARNING_S (HOROVOD_STALL_CHECK_TIME_SECONDS)
@@ -48,6 +51,7 @@ class Config:
                 f"NBDIST_CPU_OPERATIONS={cpu_ops!r}: expected one of auto, mpi, shm, hierarchical")
         config = cls(
             fusion_threshold=int(_number("FUSION_THRESHOLD", 64 * MiB, cast=int)),
+            bucket_bytes=int(_number("BUCKET_BYTES", 25 * MiB, "NBDIST_BUCKET_BYTES", cast=int)),
             cycle_time_ms=_number("CYCLE_TIME", 1.0),
             cache_capacity=int(_number("CACHE_CAPACITY", 1024, cast=int)),
             stall_warning_s=_number("STALL_WARNING_S", 60.0, "HOROVOD_STALL_CHECK_TIME_SECONDS"),
@@ -55,7 +59,7 @@ class Config:
             cpu_operations=cpu_ops,
             local_size=int(_number("LOCAL_SIZE", 0, cast=int)),
         )
-        if config.fusion_threshold < 0 or config.cycle_time_ms < 0 or config.local_size < 0:
+        if config.fusion_threshold < 0 or config.bucket_bytes < 0 or config.cycle_time_ms < 0 or config.local_size < 0:
             raise ValueError(f"negative value in nbdist options: {config}")
         return config
 

@@ -1,10 +1,16 @@
 """DistributedOptimizer: averages gradients across ranks while the backward pass runs.
 
 A hook on each parameter fires once its gradient is fully accumulated and submits an
-async in-place allreduce of that gradient, so communication overlaps the rest of the
-backward pass; step() (or synchronize()) waits for all of them before the wrapped
-optimizer updates the parameters. As in Horovod, the returned object is an instance of
-a subclass of the wrapped optimizer's class, sharing its state and param_groups.
+async in-place allreduce, so communication overlaps the rest of the backward pass;
+step() (or synchronize()) waits for all of them before the wrapped optimizer updates the
+parameters. As in Horovod, the returned object is an instance of a subclass of the
+wrapped optimizer's class, sharing its state and param_groups.
+
+Gradients go in buckets, as DDP's: the first step reduces each gradient on its own and
+records the order in which the hooks fire; then rank 0's order, cut into buckets of
+NBDIST_BUCKET_BYTES (25 MiB), is the layout on every rank. A bucket is one flat
+allreduce, submitted when its last gradient is ready: one agreement cycle for many small
+gradients instead of one each (a ResNet has ~40), which is what the per-op cost is about.
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ from contextlib import contextmanager
 import torch
 
 from nbdist import common as _c
+from nbdist.common import world as _world
 
 from .compression import Compression
 from .mpi_ops import (Adasum, Average, allgather_async, allreduce_async_,
@@ -50,12 +57,31 @@ class _SparseHandle:
         return torch.sparse_coo_tensor(indices, values, self.shape, check_invariants=True).coalesce()
 
 
+class _Bucket:
+    """Gradients of one dtype and device reduced as one flat allreduce (a DDP bucket)."""
+
+    __slots__ = ("params", "name", "ready", "flat", "dtype", "device", "numel")
+
+    def __init__(self, params: list, name: str, dtype: torch.dtype, device: torch.device):
+        self.params = tuple(params)
+        self.name = name
+        self.ready = 0  # members whose gradient is final this step
+        self.dtype, self.device = dtype, device
+        self.numel = sum(p.numel() for p in params)
+        self.flat: torch.Tensor | None = None  # kept between steps: no allocation per step
+
+    def buffer(self) -> torch.Tensor:
+        if self.flat is None:
+            self.flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        return self.flat
+
+
 class _DistributedMixin:
     """The distributed behaviour, placed before the wrapped optimizer's class in the MRO."""
 
     def _nbdist_setup(self, named_parameters, compression, backward_passes_per_step, op,
                       gradient_predivide_factor, groups, sparse_as_dense,
-                      process_set=global_process_set):
+                      process_set=global_process_set, bucket_bytes=None):
         self._compression = compression
         self._process_set = process_set
         self._densified: set = set()  # sparse gradients reduced dense this step
@@ -78,6 +104,14 @@ class _DistributedMixin:
         self._should_synchronize = True
         self._hook_handles = []
         self._setup_groups(groups)
+        # Buckets (see the module's docstring) are laid out after the first step, from the
+        # hook order it records here. Not with explicit groups (the user chose the fusion)
+        # nor with Adasum, whose result depends on how the gradients are split.
+        self._bucket_bytes = (_c.basics.config().bucket_bytes if bucket_bytes is None
+                              else int(bucket_bytes))
+        self._bucketing = not self._group_of and op != Adasum and self._bucket_bytes > 0
+        self._sparse: set = set()  # parameters whose gradients took the sparse path
+        self._drop_buckets()
         # One rank has nothing to average with: behave as the plain optimizer (as Horovod).
         # A rank outside the optimizer's process set trains alone (as in Horovod).
         self._active = (_c.process_sets.is_member(process_set)
@@ -177,8 +211,18 @@ class _DistributedMixin:
             self._delay[p] -= 1
             if self._delay[p] > 0:
                 return
+            bucket = self._bucket_of.get(p)
+            if bucket is not None and not self._layout_current():
+                bucket = None
+            if bucket is not None:
+                bucket.ready += 1
+                if bucket.ready == len(bucket.params):
+                    self._submit_bucket(bucket)
+                return
             group = self._group_of.get(p)
             if group is None:
+                if self._hook_order is not None:
+                    self._hook_order.append(p)
                 self._submit(p)
                 return
             self._group_ready[group] += 1
@@ -203,6 +247,7 @@ class _DistributedMixin:
         name = self._parameter_names[p]
         if p.grad is not None and p.grad.is_sparse and not self.sparse_as_dense:
             _c.ops.resolve_op(self.op, f"sparse gradient of {name}", kind=_c.ops.SPARSE)
+            self._sparse.add(p)
             self._handles[p] = (_SparseHandle(p.grad, name, self.op, self._process_set), None)
             return
         grad = self._dense_grad(p)
@@ -223,6 +268,89 @@ class _DistributedMixin:
         self._handles[group] = (handle, list(zip(compressed, ctxs)))
         self._group_ready[group] = 0
 
+    def _submit_bucket(self, bucket: _Bucket) -> None:
+        grads = [self._dense_grad(p) for p in bucket.params]
+        compressed, ctxs = zip(*[self._compression.compress(g) for g in grads])
+        flat = bucket.buffer()
+        torch.cat([c.reshape(-1) for c in compressed], out=flat)
+        handle = allreduce_async_(flat, name=bucket.name, op=self.op,
+                                  prescale_factor=self._prescale, postscale_factor=self._postscale,
+                                  process_set=self._process_set)
+        self._handles[bucket] = (handle, ctxs)
+        bucket.ready = 0
+
+    def _unpack_bucket(self, bucket: _Bucket, ctxs) -> None:
+        offset = 0
+        flat = bucket.flat
+        assert flat is not None
+        for p, ctx in zip(bucket.params, ctxs):
+            n = p.grad.numel()
+            p.grad.copy_(self._compression.decompress(flat[offset:offset + n].view(p.grad.shape),
+                                                      ctx))
+            offset += n
+
+    def _layout_current(self) -> bool:
+        """False (and the layout dropped) when an elastic world changed since it was laid out:
+        the new ranks have none, so every rank starts again from a step of single gradients."""
+        if self._layout_generation == _world.generation():
+            return True
+        self._drop_buckets()
+        return False
+
+    def _drop_buckets(self) -> None:
+        self._buckets: list[_Bucket] = []
+        self._bucket_of: dict = {}
+        self._hook_order: list | None = [] if self._bucketing else None
+        self._layout_generation = _world.generation()
+
+    def _build_buckets(self) -> None:
+        """Lay the buckets out from rank 0's hook order of the first step (all ranks agree).
+
+        The layout must be the same on every rank (a bucket's members are known only by
+        its position in the flat buffer), so every rank takes rank 0's order; the ranks'
+        orders are gathered rather than broadcast so that all of them see a disagreement
+        the same way and keep reducing gradient by gradient.
+        """
+        # (a first step that failed and was retried recorded some hooks twice)
+        order = list(dict.fromkeys(self._hook_order or []))
+        self._hook_order = None
+        seen = set(order)
+        # parameters whose hook did not fire in the first step: DDP's default order
+        order += [p for p in reversed(self._params) if p not in seen]
+        self._layout_generation = _world.generation()
+        names = self._parameter_names
+        gathered = _c.allgather_object(([names[p] for p in order],
+                                        sorted(names[p] for p in self._sparse)),
+                                       name="DistributedOptimizer.bucket_order",
+                                       process_set=self._process_set)
+        reference = gathered[0][0]
+        if any(sorted(o) != sorted(reference) for o, _ in gathered):
+            return  # the ranks' parameters differ: their single ops report it by name
+        sparse = {n for _, s in gathered for n in s}  # reduced as allgathers, never bucketed
+        by_name = {names[p]: p for p in self._params}
+        open_buckets: dict = {}  # (dtype, device) -> [members, bytes]
+        layouts = []
+        for name in reference:
+            p = by_name[name]
+            if name in sparse:
+                continue
+            dtype = self._compression.compress(torch.empty(0, dtype=p.dtype))[0].dtype
+            key = (dtype, p.device)
+            size = p.numel() * dtype.itemsize
+            members = open_buckets.get(key)
+            if members is None or (members[0] and members[1] + size > self._bucket_bytes):
+                members = open_buckets[key] = [[], 0]
+                layouts.append((key, members))
+            members[0].append(p)
+            members[1] += size
+        for (dtype, device), (params, _) in layouts:
+            if len(params) < 2:  # one gradient alone goes as itself, with its own name
+                continue
+            bucket = _Bucket(params, f"{names[params[0]]}+{len(params) - 1}", dtype, device)
+            self._buckets.append(bucket)
+            for p in params:
+                self._bucket_of[p] = bucket
+
     def _write_back(self, p, compressed, ctx) -> None:
         if compressed is not p.grad:  # compression sent a converted copy
             p.grad.copy_(self._compression.decompress(compressed, ctx))
@@ -232,14 +360,17 @@ class _DistributedMixin:
         if not self._active:
             self._synchronized = True
             return
+        self._layout_current()
         # Gradients whose last hook did not fire on this rank (unused parameters, or fewer
         # backward passes than backward_passes_per_step): reduce them now, with zeros where
         # there is no gradient, so ranks that did compute them are not left waiting.
         for p in self._params:
-            key = self._group_of.get(p, p)
+            key = self._bucket_of.get(p) or self._group_of.get(p, p)
             if key not in self._handles:
                 if key is p:
                     self._submit(p)
+                elif isinstance(key, _Bucket):
+                    self._submit_bucket(key)
                 else:
                     self._submit_group(key)
         handles, self._handles = self._handles, {}
@@ -250,7 +381,9 @@ class _DistributedMixin:
                     key.grad = handle.wait()
                 else:
                     synchronize(handle)
-                    if isinstance(key, tuple):
+                    if isinstance(key, _Bucket):
+                        self._unpack_bucket(key, ctx)
+                    elif isinstance(key, tuple):
                         for p, (compressed, c) in zip(key, ctx):
                             self._write_back(p, compressed, c)
                     else:
@@ -264,6 +397,8 @@ class _DistributedMixin:
                 p.grad = p.grad.to_sparse()
         if error is not None:
             raise error
+        if self._hook_order is not None:
+            self._build_buckets()
         self._synchronized = True
 
     def _reset_accumulation(self) -> None:
@@ -271,6 +406,8 @@ class _DistributedMixin:
             self._delay[p] = self.backward_passes_per_step
         for g in self._group_ready:
             self._group_ready[g] = 0
+        for bucket in self._buckets:
+            bucket.ready = 0
 
     def _in_flight(self) -> int:
         return len(self._handles)
@@ -367,13 +504,15 @@ def _has_sparse_params(optimizer) -> bool:
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
                          backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
                          num_groups=0, groups=None, sparse_as_dense=False,
-                         process_set=global_process_set):
+                         process_set=global_process_set, bucket_bytes=None):
     """Wrap a torch.optim optimizer so that step() uses gradients averaged over all ranks.
 
     Horovod's signature and behaviour. `op=Adasum` combines the ranks' gradients with
     Adasum (CPU, power-of-2 ranks; see nbdist/common/adasum.py); Horovod applies Adasum
     to each rank's parameter update instead, the same for plain SGD. `groups` (an int, or
-    a list of lists of parameters) allreduces each group as one fused op.
+    a list of lists of parameters) allreduces each group as one fused op. `bucket_bytes`
+    (an nbdist extension, as DDP's bucket_cap_mb; default NBDIST_BUCKET_BYTES, 25 MiB)
+    caps the buckets the other gradients are reduced in; 0 reduces each on its own.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer expects a torch.optim.Optimizer, got "
@@ -401,6 +540,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     # step/zero_grad (an LR scheduler made earlier), which would bypass ours.
     dist.__dict__.update({k: v for k, v in optimizer.__dict__.items()
                           if k not in ("step", "zero_grad")})
+    if bucket_bytes is not None and int(bucket_bytes) < 0:
+        raise ValueError(f"bucket_bytes must be >= 0, got {bucket_bytes}")
     dist._nbdist_setup(named_parameters, compression, backward_passes_per_step, op,
-                       gradient_predivide_factor, groups, sparse_as_dense, process_set)
+                       gradient_predivide_factor, groups, sparse_as_dense, process_set,
+                       bucket_bytes)
     return dist

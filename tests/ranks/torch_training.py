@@ -499,6 +499,116 @@ def test_gradients_are_submitted_during_backward():
     assert not opt._handles
 
 
+def in_flight_params(opt) -> list:
+    """The parameters whose reductions are in flight, one list per op (bucket or gradient)."""
+    return [list(getattr(key, "params", (key,))) for key in opt._handles]
+
+
+def test_gradients_go_in_buckets_after_the_first_step():
+    """The first step reduces gradient by gradient and records the hooks' order; from the
+    second step all of a small model's gradients go as one bucket, still during backward."""
+    model = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    for step in range(3):
+        x, y = global_batch(step, 0)
+        F.mse_loss(model(shard(x)), shard(y)).backward()
+        ops = in_flight_params(opt)
+        if step == 0:
+            assert sorted(len(o) for o in ops) == [1, 1, 1, 1]
+        else:
+            assert len(ops) == 1 and set(ops[0]) == set(model.parameters())
+        opt.step()
+        opt.zero_grad()
+    ref = make_model()
+    train(ref, torch.optim.SGD(ref.parameters(), lr=0.1), 3, 1, False)
+    assert_same_params(model, ref)
+
+
+@pytest.mark.parametrize("bucket_bytes", [0, 100, 200, None])
+@pytest.mark.parametrize("bpps", [1, 2])
+def test_bucket_sizes_give_the_same_training(bucket_bytes, bpps):
+    """Buckets of any size (0: none; 100 and 200 bytes split this float64 model's four
+    gradients into several, single ones included) train as one process on the whole batch."""
+    ref, model, opt = reference_and_distributed(OPTIMIZERS["Adam"], steps=3, bpps=bpps,
+                                                bucket_bytes=bucket_bytes)
+    assert_same_params(model, ref)
+    assert_equal_across_ranks(model)
+    sizes = sorted(len(b.params) for b in opt._buckets)
+    assert sizes == {0: [], 100: [], 200: [3], None: [4]}[bucket_bytes]
+
+
+def test_bucket_bytes_must_not_be_negative():
+    model = make_model()
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), bucket_bytes=-1)
+
+
+class EmbeddingBag(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(10, 3, sparse=True).double()
+        self.fc1 = nn.Linear(3, 4).double()
+        self.fc2 = nn.Linear(4, 2).double()
+
+    def forward(self, idx):
+        return self.fc2(torch.tanh(self.fc1(self.emb(idx))))
+
+
+def test_sparse_gradients_stay_out_of_buckets():
+    """A sparse gradient is still allgathered; the dense ones around it go in a bucket."""
+    def run(distributed):
+        model = EmbeddingBag()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if distributed:
+            opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            idx = torch.randint(0, 10, (N() * B,), generator=g)
+            target = torch.randn(N() * B, 2, generator=g, dtype=torch.float64)
+            if distributed:
+                idx, target = shard(idx), shard(target)
+            F.mse_loss(model(idx), target).backward()
+            opt.step()
+            assert model.emb.weight.grad.is_sparse
+            opt.zero_grad()
+        return model, opt
+    model, opt = run(True)
+    assert [set(b.params) for b in opt._buckets] == [
+        {model.fc1.weight, model.fc1.bias, model.fc2.weight, model.fc2.bias}]
+    assert_same_params(model, run(False)[0])
+
+
+def test_buckets_on_a_process_set():
+    """Members average over their set in buckets; a rank outside it trains alone."""
+    even = hvd.add_process_set([r for r in range(N()) if r % 2 == 0])
+    try:
+        model = make_model()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(),
+                                       process_set=even)
+        members = even.ranks if even.included() else [R()]
+        for step in range(3):
+            x, y = global_batch(step, 0)
+            F.mse_loss(model(shard(x)), shard(y)).backward()
+            opt.step()
+            opt.zero_grad()
+        # the reference: one process on the members' shards together
+        ref = make_model()
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        for step in range(3):
+            x, y = global_batch(step, 0)
+            rows = torch.cat([torch.arange(r * B, (r + 1) * B) for r in members])
+            F.mse_loss(ref(x[rows]), y[rows]).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        assert_same_params(model, ref)
+        assert len(opt._buckets) == (1 if even.included() and len(members) > 1 else 0)
+    finally:
+        hvd.remove_process_set(even)
+
+
 def test_wrapping_the_same_model_again_takes_over():
     """A notebook cell that wraps the optimizer runs twice: the new optimizer takes over."""
     model = make_model()
