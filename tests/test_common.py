@@ -126,3 +126,28 @@ def test_timeline_plot_of_every_rank(tmp_path):
     ax = figure.axes[0]
     assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0", "rank 1"]
     assert {t.get_text() for t in ax.get_legend().get_texts()} == {"NEGOTIATE", "SHM_ALLREDUCE"}
+
+
+def test_pooled_results_never_alias_a_live_array():
+    """Large results reuse memory (no page faults per call), but only memory that no array,
+    nor any view of one, still uses."""
+    import numpy as np
+
+    from nbdist.common import buffers
+
+    shape = (buffers.POOL_MIN_BYTES // 4 + 8,)
+    first = buffers.empty(shape, np.float32)
+    assert first.shape == shape and first.dtype == np.float32 and first.flags.writeable
+    view = first[8:].view(np.int32)
+    address = first.ctypes.data
+    del first
+    second = buffers.empty(shape, np.float32)  # `view` still holds the first block
+    assert second.ctypes.data != address
+    del view
+    third = buffers.empty(shape, np.float32)  # now free: reused
+    assert third.ctypes.data == address
+    small = buffers.empty((3, 2), np.float64)  # below the pool's size: plain np.empty
+    assert small.flags.owndata and small.shape == (3, 2)
+    del second, third
+    buffers.clear_pool()
+    assert buffers.pool_stats()["free_bytes"] == 0

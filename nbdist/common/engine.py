@@ -33,7 +33,7 @@ import threading
 import time
 import traceback
 
-from . import errors, timeline, world
+from . import buffers, errors, timeline, world
 from .config import env_str
 from .execution import Executor
 from .negotiation import Coordinator
@@ -201,6 +201,7 @@ class Engine:
             # Peers waiting in a cycle for this rank fail now instead of at their timeout.
             self.agreement.close(f"rank {self.rank} shut down nbdist")
         self.transports.close()
+        buffers.clear_pool()  # an idle notebook engine keeps no freed results' memory
 
     # -- background thread -----------------------------------------------------------------
     def _warn(self, message: str) -> None:

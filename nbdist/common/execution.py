@@ -10,7 +10,7 @@ from typing import Callable
 
 import numpy as np
 
-from . import timeline
+from . import buffers, timeline
 from .ops_base import ReduceOp, is_half, numpy_dtype
 from .requests import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN,
                        REDUCESCATTER, Request, Response, make_error)
@@ -184,7 +184,7 @@ class Executor:
             elif req.inplace:
                 outputs.append(req.array)
             else:
-                outputs.append(np.empty_like(req.array))
+                outputs.append(buffers.empty_like(req.array))
         if len(unit) == 1:
             buf = outputs[0]
             req = reqs[0]
@@ -232,7 +232,7 @@ class Executor:
         inner = resp.shapes[0]
         row = int(np.prod(inner)) if inner else 1
         rows = resp.first_dims[0]
-        recv = np.empty((sum(rows),) + tuple(inner), dtype)
+        recv = buffers.empty((sum(rows),) + tuple(inner), dtype)
         send = req.array if req is not None else np.empty((0,) + tuple(inner), dtype)
         transport = self.choose(resp.device, ALLGATHER)
         traced = self._traced(ALLGATHER, [req], self._transport_phase(transport, ALLGATHER))
@@ -253,9 +253,10 @@ class Executor:
         elif req.inplace:
             buf = req.array
         elif self.rank == resp.root:
-            buf = req.array.copy()
+            buf = buffers.empty_like(req.array)
+            np.copyto(buf, req.array)
         else:
-            buf = np.empty_like(req.array)
+            buf = buffers.empty_like(req.array)
         transport = self.choose(resp.device, BROADCAST)
         traced = self._traced(BROADCAST, [req], self._transport_phase(transport, BROADCAST))
         transport.broadcast(buf.reshape(-1), resp.root)
@@ -270,7 +271,7 @@ class Executor:
         row = int(np.prod(inner)) if inner else 1
         send_rows = resp.splits[self.rank]
         recv_rows = [resp.splits[src][self.rank] for src in range(self.size)]
-        recv = np.empty((sum(recv_rows),) + inner, dtype)
+        recv = buffers.empty((sum(recv_rows),) + inner, dtype)
         transport = self.choose(resp.device, ALLTOALL)
         traced = self._traced(ALLTOALL, [req], self._transport_phase(transport, ALLTOALL))
         transport.alltoallv(
