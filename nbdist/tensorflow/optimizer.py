@@ -143,7 +143,33 @@ def distributed_class(base: type) -> type:
         """Keep `var`'s gradient on this rank (not reduced), as Horovod's."""
         _local_ids(self).add(id(var))
 
-    namespace["register_local_var"] = register_local_var
+    def _compute_gradients(self, loss, var_list, grad_loss=None, tape=None):
+        """Horovod's: (gradient, variable) pairs of `loss` for `var_list`, reduced over ranks.
+
+        `loss` is a tensor recorded on `tape`, or a callable run under a new tape. With
+        backward_passes_per_step > 1 the pairs are this rank's (Keras accumulates them
+        and the reduction runs at its update step).
+        """
+        var_list = list(var_list)
+        if callable(loss):
+            tape = tf.GradientTape() if tape is None else tape
+            with tape:
+                loss = loss()
+        elif tape is None:
+            raise ValueError("compute_gradients: a loss tensor needs the tape that recorded "
+                             "it (tape=)")
+        grads = tape.gradient(loss, var_list, grad_loss)
+        if not _accumulating(self):
+            grads = _reduce(self, list(grads), var_list)
+        return list(zip(grads, var_list))
+
+    def compute_gradients(self, loss, var_list, tape=None):
+        """Horovod's public form of _compute_gradients."""
+        return self._compute_gradients(loss, var_list, None, tape)
+
+    namespace.update(register_local_var=register_local_var,
+                     _compute_gradients=_compute_gradients,
+                     compute_gradients=compute_gradients)
     if isinstance(inspect.getattr_static(base, "variables", None), property):
         prop = inspect.getattr_static(base, "variables")
         namespace["variables"] = property(lambda self: CallableList(prop.fget(self)),

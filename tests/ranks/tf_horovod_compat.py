@@ -198,3 +198,40 @@ def test_partial_distributed_optimizer_keeps_local_layers_local():
     np.testing.assert_allclose(local.kernel.numpy(), before - grads[0].numpy() / N, rtol=1e-6)
     mean_head = np.mean([2.0 * (r + 1) for r in range(N)])
     np.testing.assert_allclose(head.kernel.numpy(), [[1.0 - mean_head]], rtol=1e-6)
+
+
+def test_compute_gradients_gives_reduced_pairs():
+    """Horovod's optimizer.compute_gradients / _compute_gradients (loss callable or taped)."""
+    import keras
+    import nbdist.keras as hvd_keras
+
+    w = keras.Variable([1.0])
+    opt = hvd_keras.DistributedOptimizer(keras.optimizers.SGD(1.0), name="compute.grads")
+    pairs = opt._compute_gradients(lambda: tf.reduce_sum(w * (R + 1.0)), [w])
+    mean = np.mean([r + 1.0 for r in range(N)])
+    assert pairs[0][1] is w
+    np.testing.assert_allclose(pairs[0][0], [mean])
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(w * w * (R + 1.0))
+    (grad, _), = opt.compute_gradients(loss, [w], tape=tape)
+    np.testing.assert_allclose(grad, [2.0 * mean])
+    opt.apply_gradients(pairs)  # already reduced: applied as they are
+    np.testing.assert_allclose(w.numpy(), [1.0 - mean])
+
+
+def test_broadcast_callback_keeps_local_variables():
+    import keras
+    import nbdist.keras as hvd_keras
+
+    init = keras.initializers.Constant(float(R))
+    model = keras.Sequential([keras.Input((2,)),
+                              keras.layers.Dense(2, kernel_initializer=init, trainable=False),
+                              keras.layers.Dense(1, kernel_initializer=init, trainable=False)])
+    model.compile(loss="mse", optimizer=hvd_keras.DistributedOptimizer(
+        keras.optimizers.SGD(0.0), name="bcast.local"))
+    local = list(model.layers[0].variables)
+    root = N - 1
+    cb = hvd_keras.callbacks.BroadcastGlobalVariablesCallback(root, local_variables=local)
+    model.fit(np.ones((2, 2)), np.ones((2, 1)), epochs=1, verbose=0, callbacks=[cb])
+    assert np.all(model.layers[0].kernel.numpy() == R)  # kept this rank's own values
+    assert np.all(model.layers[1].kernel.numpy() == root)

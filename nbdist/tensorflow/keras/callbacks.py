@@ -36,16 +36,20 @@ class BroadcastGlobalVariablesCallback(Callback):
 
     If the model and optimizer exist on every rank at train begin (a built model), the
     broadcast happens before the first step; otherwise (Keras builds lazily) after the
-    first batch, as Horovod does. Every rank decides the same way.
+    first batch, as Horovod does. Every rank decides the same way. `local_variables`
+    (e.g. a PartialDistributedOptimizer's local layers' variables) keep each rank's own
+    values.
     """
 
-    def __init__(self, root_rank=0, device=""):
+    def __init__(self, root_rank=0, device="", local_variables=None):
         super().__init__()
         self.root_rank = root_rank
         self.broadcast_done = False
+        self._local_ids = {id(v) for v in (local_variables or ())}
 
     def _broadcast(self):
-        broadcast_variables(_model_variables(self.model), self.root_rank,
+        shared = [v for v in _model_variables(self.model) if id(v) not in self._local_ids]
+        broadcast_variables(shared, self.root_rank,
                             name="BroadcastGlobalVariablesCallback.model")
         optimizer = getattr(self.model, "optimizer", None)
         if optimizer is not None:
