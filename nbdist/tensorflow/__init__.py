@@ -5,8 +5,6 @@ Everything of nbdist.common is here (init, rank, size, ..., the errors), and the
 collectives take tf tensors and variables, eagerly or inside tf.function, with
 gradients. See docs/tensorflow.md.
 """
-import tensorflow as _tf
-
 from nbdist import common as _common
 
 # Everything of the framework-neutral runtime first; the names below override the
@@ -25,5 +23,6 @@ from .optimizer import DistributedOptimizer  # noqa: E402
 from .tape import DistributedGradientTape, PartialDistributedGradientTape  # noqa: E402
 from .sync_batch_norm import SyncBatchNormalization  # noqa: E402
 
+from . import util  # noqa: E402
 # Horovod's tests (and some user code) call this private helper of horovod.tensorflow.
-_executing_eagerly = _tf.executing_eagerly
+from .util import _executing_eagerly  # noqa: E402,F401

@@ -108,11 +108,18 @@ class _Named:
 
 
 def broadcast_global_variables(root_rank):
-    """TF1's global-variable broadcast has no TF2 equivalent; say what to use instead."""
-    raise NotImplementedError("broadcast_global_variables is TensorFlow 1 only; use "
-                              "broadcast_variables(model.variables, root_rank) (and the "
-                              "optimizer's variables), or the Keras "
-                              "BroadcastGlobalVariablesCallback")
+    """TF1 graphs: an op that broadcasts every global variable from root_rank.
+
+    Eagerly there are no global variables (as Horovod, a RuntimeError): use
+    broadcast_variables(model.variables, root_rank), or the Keras
+    BroadcastGlobalVariablesCallback.
+    """
+    if tf.executing_eagerly():
+        raise RuntimeError("broadcast_global_variables works in TensorFlow 1 graphs only; "
+                           "eagerly use broadcast_variables(model.variables, root_rank) (and "
+                           "the optimizer's variables), or BroadcastGlobalVariablesCallback")
+    return broadcast_variables(tf.compat.v1.global_variables(), root_rank,
+                               name="broadcast_global_variables")
 
 
 def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=None):

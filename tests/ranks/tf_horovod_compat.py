@@ -235,3 +235,17 @@ def test_broadcast_callback_keeps_local_variables():
     model.fit(np.ones((2, 2)), np.ones((2, 1)), epochs=1, verbose=0, callbacks=[cb])
     assert np.all(model.layers[0].kernel.numpy() == R)  # kept this rank's own values
     assert np.all(model.layers[1].kernel.numpy() == root)
+
+
+def test_broadcast_global_variables_in_a_tf1_graph():
+    with pytest.raises(RuntimeError, match="TensorFlow 1 graphs only"):  # eagerly, as Horovod
+        hvd.broadcast_global_variables(0)
+    assert hvd.util._executing_eagerly()
+    with tf.Graph().as_default():
+        assert not hvd.util._executing_eagerly()
+        v = tf.compat.v1.get_variable("v", initializer=[float(R), 2.0 * R], use_resource=True)
+        bcast = hvd.broadcast_global_variables(N - 1)
+        with tf.compat.v1.Session() as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            session.run(bcast)
+            assert session.run(v).tolist() == [N - 1.0, 2.0 * (N - 1)]
