@@ -10,7 +10,7 @@ engine keeps its MPI coordinator (engine.py). Horovod's model, in lockstep cycle
           The Min is the AND of the cache bits: the repeated ops ready on every rank,
           known at once on every rank, with no message through rank 0.
   items   when some rank has new items (an op seen for the first time or changed, an
-          abort, a duplicate-name refusal, rank 0's timeouts), they are pickled and
+          abort, rank 0's timeouts), they are pickled and
           allgathered over the same segment, and every rank feeds all of them, in rank
           order, into its own replica of the Coordinator (negotiation.py): the same
           inputs in the same order give the same responses, fusion and cache ids on
@@ -104,8 +104,7 @@ class ShmAgreement:
             if now - req.sent_at > DEMOTE_S or not self._bit_ok(req.name):
                 del self.bit_pending[cid]
                 items.append(("r", cid))
-        for item in control:
-            items.append(("a", item[1]) if item[0] == "abort" else ("p", item[1], item[2]))
+        items += [("a", item[1]) for item in control]  # the engine's control items: aborts
         if (self.rank == 0 and coord.pending
                 and now - self.last_stall_check >= STALL_CHECK_INTERVAL_S):
             self.last_stall_check = now
@@ -180,15 +179,11 @@ class ShmAgreement:
             eng._on_abort(coord.abort(), aborts[0])
             return
         units: list[list] = []
-        poisoned = set()
         for r, items_r in enumerate(per_rank):
             for item in items_r:
                 tag = item[0]
                 if tag == "r":
                     units += [[resp] for resp in coord.add(r, item[1])]
-                elif tag == "p":
-                    poisoned.add(item[1])
-                    units += [[resp] for resp in coord.poison(r, item[1], item[2])]
                 elif tag == "t":
                     units += [[resp] for resp in coord.fail_stalled(item[1], item[2])]
         if coord.has_ready():
@@ -197,8 +192,6 @@ class ShmAgreement:
                       for unit in coord.take_units()]
         if ready:
             by_id = coord.cache_by_id
-            if poisoned:  # its ranks learn of the refusal through the items path instead
-                ready = [c for c in ready if by_id[c].name not in poisoned]
             for cid in ready:
                 del self.bit_pending[cid]
             # Before running them: a peer that finishes first and submits its next op must

@@ -95,7 +95,7 @@ class Engine:
         self.comm = topology.control_comm
         self.epoch = 0
         self._queue: collections.deque = collections.deque()
-        self._control: collections.deque = collections.deque()  # abort / poison to send
+        self._control: collections.deque = collections.deque()  # aborts to send
         self._cv = threading.Condition()
         self._local: dict[str, Request] = {}  # sent, waiting for a response
         self._names_in_flight: set[str] = set()
@@ -307,7 +307,7 @@ class Engine:
         worked = self._drain_incoming()  # first, so an abort from rank 0 is seen before sending
         if self._sends:
             self._sends = [s for s in self._sends if not s.Test()]
-        if new:  # before control items: a poison must find the op it names
+        if new:
             worked = True
             self._send_requests(new)
         if control:
@@ -415,9 +415,6 @@ class Engine:
                 immediate += coord.add(rank, item)
             if immediate:
                 self._broadcast(("units", coord.epoch, [[r] for r in immediate]))
-        elif kind == "poison":
-            self._broadcast(("units", coord.epoch, [[r] for r in coord.poison(rank, message[3],
-                                                                               message[4])]))
 
     def _coordinate(self) -> bool:
         coord = self.coordinator

@@ -147,20 +147,6 @@ class Coordinator:
             self._check_ready(pending)
         return []
 
-    def poison(self, rank: int, name: str, message: str) -> list[Response]:
-        """Fail `name` on every rank: those that submitted it now, the others when they do."""
-        pending = self.pending.pop(name, None)
-        error = ("ValueError", message)
-        if pending is not None and pending.is_ready:
-            self.ready.remove(name)
-        submitted = set(pending.sigs) if pending else set()
-        submitted.add(rank)
-        missing = set(range(self.size)) - submitted
-        if missing:
-            self.tombstones[name] = (error, missing)
-        kind = next(iter(pending.sigs.values()))[SIG_KIND] if pending else ALLREDUCE
-        return [Response(kind=kind, names=[name], error=error, targets=tuple(sorted(submitted)))]
-
     def abort(self) -> int:
         """Forget every op in flight (their ranks fail them); returns the new epoch."""
         self.pending.clear()
