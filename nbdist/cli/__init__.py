@@ -22,6 +22,11 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="run across hosts, as horovodrun -H: h1:2,h2:2 (one MPI world over ssh)")
     run.add_argument("--launcher", choices=["local", "ssh", "slurm"], default=None,
                      help="local (default), ssh (with --hosts), slurm (inside salloc/sbatch, or asks salloc)")
+    run.add_argument("--elastic", action="store_true",
+                     help="a rank that dies leaves the others running: hvd.elastic.run goes on from "
+                          "the last commit on the survivors (this machine only; docs/elastic.md)")
+    run.add_argument("--min-np", dest="min_np", type=int, default=None,
+                     help="with --elastic: the fewest ranks the run goes on with (default 1)")
     run.add_argument("script", help="the Python script to run on every rank")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
 
@@ -40,6 +45,18 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(argv[1:])
     args = _build_parser().parse_args(argv)
+    if args.command == "run" and (args.elastic or args.min_np is not None):
+        if not args.elastic:
+            print("nbdist run: --min-np needs --elastic", file=sys.stderr)
+            return 2
+        if args.hosts or args.launcher not in (None, "local"):
+            print("nbdist run: --elastic runs on this machine only (no --hosts/--launcher)", file=sys.stderr)
+            return 2
+        from .elastic_run import run_elastic
+
+        env = dict(item.split("=", 1) for item in args.env if "=" in item)
+        return run_elastic(args.script, args.args, n=args.n, min_np=args.min_np or 1,
+                           timeout=args.timeout, env=env)
     if args.command == "run":
         from .run import run_script
 

@@ -27,6 +27,7 @@ ELASTIC_DIR_ENV = "NBDIST_ELASTIC_DIR"
 PLAN_FILE = "world.json"
 PLAN_WAIT_S = 120.0  # how long a rank waits for the driver's next world before it gives up
 POLL_S = 0.02
+SETTLE_S = 0.3  # after a first death, the driver waits this long for others: one resize for both
 
 _current: dict = {"comm": None, "generation": 0, "pids": None}
 
@@ -97,6 +98,17 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
+def lost_members(pids: list[int]) -> list[int]:
+    """For a driver: the indices of the members whose process is gone. After seeing a first
+    death it waits SETTLE_S and looks again, so kills close together make one resize (the
+    ranks must never be handed two worlds for one event)."""
+    dead = [i for i, p in enumerate(pids) if not pid_alive(p)]
+    if dead:
+        time.sleep(SETTLE_S)
+        dead = [i for i, p in enumerate(pids) if not pid_alive(p)]
+    return dead
+
+
 def _current_pids(comm) -> list[int]:
     """Every rank's pid in the current world, in rank order (learned once, while all live)."""
     if _current["pids"] is None:
@@ -105,6 +117,11 @@ def _current_pids(comm) -> list[int]:
             _current["pids"] = list(plan["pids"])
         else:
             _current["pids"] = comm.allgather(os.getpid())
+            folder = elastic_dir()
+            if comm.rank == 0 and plan is None and folder:
+                # no driver wrote generation 0 (nbdist run --elastic): tell it who is who
+                write_plan(folder, {"generation": 0, "pids": _current["pids"], "joiners": [],
+                                    "abort": ""})
     return _current["pids"]
 
 
@@ -112,6 +129,25 @@ def remember_members() -> None:
     """Learn the current world's pids now, while every rank is alive (init() calls it)."""
     if elastic_dir() is not None:
         _current_pids(world_comm())
+        if not _exit_state["marked"]:
+            import atexit
+
+            _exit_state["marked"] = True
+            atexit.register(_mark_exit)
+
+
+def exit_marker(folder: str, pid: int) -> str:
+    """The file a rank writes when its program ends: a driver tells a finished rank from a dead one."""
+    return os.path.join(folder, f"exited-{pid}")
+
+
+def _mark_exit() -> None:
+    folder = elastic_dir()
+    if folder:
+        try:
+            open(exit_marker(folder, os.getpid()), "w").close()
+        except OSError:
+            pass
 
 
 def next_world(timeout_s: float = PLAN_WAIT_S) -> dict | None:
@@ -164,7 +200,48 @@ def rebuild(plan: dict) -> None:
         if joiners:
             comm = _accept(plan, comm)
     new = comm.Split(0, key=order.index(me))  # ranks in the plan's order
+    lost = set(_current["pids"] or []) - set(order)
     _current.update(comm=new, generation=int(plan["generation"]), pids=order)
+    if lost or me in joiners:
+        _exit_without_mpi_finalize()
+
+
+_exit_state: dict = {"registered": False, "failed": False, "marked": False}
+
+
+def _exit_without_mpi_finalize() -> None:
+    """After a rank of COMM_WORLD died (or from a joined world), MPI_Finalize waits for ever for
+    it; so this process ends right after Python's own exit handlers (the runtime's shutdown
+    included), with status 1 if the program died of an exception, else 0."""
+    import atexit
+    import sys
+
+    if _exit_state["registered"]:
+        return
+    _exit_state["registered"] = True
+    previous = sys.excepthook
+
+    def excepthook(*exc_info):
+        _exit_state["failed"] = True
+        previous(*exc_info)
+
+    sys.excepthook = excepthook
+
+    def finish() -> None:
+        from . import basics
+
+        _mark_exit()
+        try:
+            basics.shutdown()
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:
+                    pass
+            os._exit(1 if _exit_state["failed"] else 0)
+
+    atexit.register(finish)
 
 
 def _accept(plan: dict, comm):

@@ -7,7 +7,7 @@ decides every world, as Horovod's driver does:
 
 - while an elastic cell runs, ElasticWatch.poll() (called by the cell loop) notices a
   dead rank (its pid is gone: one node, so the kernel sees the ranks' processes), waits
-  SETTLE_S for deaths close together (two kills at once are one resize), and publishes
+  world.SETTLE_S for deaths close together (two kills at once are one resize), and publishes
   the survivors' world (nbdist.common.world.write_plan). The survivors, whose runtime
   failed with HorovodInternalError within ~0.1 s, restore their last commit, build that
   world and go on (nbdist.common.elastic). Below --min-np it publishes an abort instead,
@@ -26,12 +26,11 @@ import time
 from dataclasses import replace
 from typing import Callable
 
-from ..common.world import joined_marker, pid_alive, write_plan
+from ..common.world import joined_marker, lost_members, write_plan
 from ..failure import FailureReport, rank_ranges
 from ..mpi.deaths import DeathWatch
 from . import display
 
-SETTLE_S = 0.3  # after a first death, wait this long for others (two kills at once: one resize)
 JOIN_TIMEOUT_S = 120.0
 
 
@@ -53,8 +52,9 @@ def _renumber(cluster, order: list) -> None:
 
 
 def dead_ranks(cluster) -> list[int]:
-    """The ranks of the current world whose process is gone."""
-    return sorted(r for r, info in cluster.ranks.items() if not pid_alive(info.pid))
+    """The ranks of the current world whose process is gone (after world.SETTLE_S, if any)."""
+    ranks = sorted(cluster.ranks)
+    return [ranks[i] for i in lost_members([cluster.ranks[r].pid for r in ranks])]
 
 
 class ElasticWatch:
@@ -90,13 +90,12 @@ class ElasticWatch:
         """Handle deaths since the last call; False when the run cannot go on (see .failure)."""
         cluster = self.cluster
         self._check_resumed()
+        seen_at = time.monotonic()
         dead = dead_ranks(cluster)
         if not dead:
             self._grow()
             return True
-        self.lost_at = time.monotonic()
-        time.sleep(SETTLE_S)
-        dead = dead_ranks(cluster)
+        self.lost_at = seen_at
         size = len(cluster.ranks)
         survivors = [r for r in sorted(cluster.ranks) if r not in dead]
         lost_info = [cluster.ranks[r] for r in dead]

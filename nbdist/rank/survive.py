@@ -14,7 +14,10 @@ import os
 import signal
 import sys
 
-FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# hydra signals SIGUSR1 to the remaining ranks when one fails (MPICH's fault notification);
+# nbdist learns of deaths by itself, and Python's default for SIGUSR1 would end the rank.
+IGNORED = (signal.SIGUSR1,)
 
 
 def main(argv: list[str]) -> int:
@@ -36,6 +39,8 @@ def main(argv: list[str]) -> int:
 
     for signum in FORWARDED:
         signal.signal(signum, forward)
+    for signum in IGNORED:
+        signal.signal(signum, signal.SIG_IGN)
     while True:
         try:
             _, status = os.waitpid(pid, 0)
