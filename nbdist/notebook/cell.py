@@ -244,6 +244,8 @@ def run(cluster, code: str, opts: CellOptions):
                     cause = "interrupt+stuck"
                     break
     finally:
+        if watch is not None:
+            watch.finish()
         # Output travels on IOPub, the reply on another socket: wait briefly for the stragglers.
         if ar.ready():
             try:

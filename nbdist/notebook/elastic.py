@@ -67,7 +67,7 @@ class ElasticWatch:
         self.max_np = max_np
         # called with new engine ids: they run the cell (and join the world)
         self.on_join: Callable[[list[int]], None] | None = None
-        self._starting: tuple[int, set[int]] | None = None  # (how many, engine ids before)
+        self._starting: tuple[int, set[int], str] | None = None  # (how many, ids before, engine set)
         self.joining: dict[int, tuple[int, int]] = {}  # engine id -> (pid, generation): asked to join
         self.progress = progress
         # engine id -> (the rank it had when the cell started, its index in the AsyncResult)
@@ -144,13 +144,14 @@ class ElasticWatch:
         if self._starting is None:
             k = self.max_np - len(cluster.ranks)
             if k > 0:
-                self._starting = (k, set(cluster.client.ids))
-                cluster.cluster.start_engines_sync(k, environment=cluster.engine_env)
+                before = set(cluster.client.ids)
+                engine_set = cluster.cluster.start_engines_sync(k, environment=cluster.engine_env)
+                self._starting = (k, before, engine_set)
                 cluster._open_output_files()
                 self._event(f"starting {k} new rank{'s' if k != 1 else ''} to grow back to "
                             f"--max-np {self.max_np}")
             return
-        k, before = self._starting
+        k, before, _ = self._starting
         new = sorted(set(cluster.client.ids) - before)
         if len(new) < k:
             return
@@ -193,6 +194,17 @@ class ElasticWatch:
         ar.get()
         self._event(f"the run ended before the new rank joined: it was stopped; "
                     f"{len(keep)} ranks")
+
+    def finish(self) -> None:
+        """The cell ended: engines still starting for --max-np are not needed any more."""
+        if self._starting is not None:
+            engine_set = self._starting[2]
+            self._starting = None
+            try:
+                self.cluster.cluster.stop_engines_sync(engine_set)
+            except Exception:  # it ends with the cluster anyway
+                pass
+            self._event("the run ended before the new rank started: it was stopped")
 
     def ignores(self, engine_id: int) -> bool:
         """True for an engine this run lost: its EngineError is the event, not the cell's error."""
