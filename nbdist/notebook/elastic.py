@@ -186,6 +186,7 @@ class ElasticWatch:
                 pass
         keep = [info for r, info in sorted(cluster.ranks.items()) if info.engine_id not in self.joining]
         self.joining = {}
+        self.max_np = None  # the run is over: start nothing more in this cell
         _publish(cluster, [i.pid for i in keep])
         _renumber(cluster, keep)
         ar = cluster.client[[i.engine_id for i in keep]].apply_async(_adopt_world,
