@@ -49,7 +49,7 @@ def _init(comm) -> None:
                                      "pip install 'nbdist[mpi]' (mpi4py and the mpich wheel)")
         config = Config.from_environment()
         if comm is None:
-            plan = world.join_pending()  # started by an elastic driver to join a running world
+            plan = world.join_pending()  # an elastic world this process is in but has not built
             if plan is not None:
                 world.rebuild(plan)
             world.remember_members()

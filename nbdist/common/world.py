@@ -293,8 +293,11 @@ def _join(plan: dict):
 
 
 def join_pending() -> dict | None:
-    """The plan this process must join before its first init(), if the driver started it to join."""
+    """A newer world this process belongs to and has not built yet, for init() to build first:
+    a rank started to join, or a survivor whose code did not run hvd.elastic.run (its cell
+    failed on the lost rank; hvd.shutdown() and hvd.init() then start it on the survivors)."""
     plan = read_plan()
-    if plan and os.getpid() in (plan.get("joiners") or []) and int(plan["generation"]) > generation():
+    if (plan and not plan.get("abort") and int(plan["generation"]) > generation()
+            and os.getpid() in plan["pids"]):
         return plan
     return None
