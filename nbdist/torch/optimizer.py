@@ -291,8 +291,11 @@ class _DistributedMixin:
 
     def _layout_current(self) -> bool:
         """False (and the layout dropped) when an elastic world changed since it was laid out:
-        the new ranks have none, so every rank starts again from a step of single gradients."""
-        if self._layout_generation == _world.generation():
+        the new ranks have none, so every rank starts again from a step of single gradients.
+
+        Never while reductions are in flight (a world changes between steps, and the reset
+        clears them): dropping the buckets they use would reduce their gradients twice."""
+        if self._layout_generation == _world.generation() or self._handles:
             return True
         self._drop_buckets()
         return False
