@@ -32,14 +32,19 @@ def max_local_ranks() -> int:
     return max(64, MAX_LOCAL_RANKS_PER_CORE * (os.cpu_count() or 1))
 
 
+def _ranks_count(value, option: str) -> int:
+    """The number of ranks an option names, or a UsageError that names the option."""
+    try:
+        return int(str(value).strip())
+    except ValueError:
+        raise UsageError(f"{option} expects a whole number of ranks, got {value!r}") from None
+
+
 def parse_n(value: str | int | None, launcher: str = "local") -> int:
     """-n N: a positive whole number within reach of the launcher."""
     if value is None:
         raise UsageError("-n is required")
-    try:
-        n = int(str(value).strip())
-    except ValueError:
-        raise UsageError(f"-n expects a whole number of ranks, got {value!r}") from None
+    n = _ranks_count(value, "-n")
     if n < 1:
         raise UsageError(f"-n must be at least 1, got {n}")
     limit = max_local_ranks() if launcher == "local" else MAX_RANKS
@@ -140,10 +145,7 @@ def parse_min_np(value, n: int, elastic: bool) -> int | None:
         return None
     if not elastic:
         raise UsageError("--min-np applies to an elastic cluster: add --elastic")
-    try:
-        m = int(str(value).strip())
-    except ValueError:
-        raise UsageError(f"--min-np expects a whole number of ranks, got {value!r}") from None
+    m = _ranks_count(value, "--min-np")
     if m < 1 or m > n:
         raise UsageError(f"--min-np must be between 1 and -n ({n}), got {m}")
     return m
@@ -155,10 +157,7 @@ def parse_max_np(value, min_np: int, elastic: bool) -> int | None:
         return None
     if not elastic:
         raise UsageError("--max-np applies to an elastic cluster: add --elastic")
-    try:
-        m = int(str(value).strip())
-    except ValueError:
-        raise UsageError(f"--max-np expects a whole number of ranks, got {value!r}") from None
+    m = _ranks_count(value, "--max-np")
     if m < max(min_np, 1) or m > max_local_ranks():
         raise UsageError(f"--max-np must be between --min-np ({min_np}) and {max_local_ranks()}, got {m}")
     return m

@@ -223,23 +223,20 @@ class SimHosts:
 
     def wait_no_segments(self, timeout: float = 30) -> dict[str, list[str]]:
         """Wait until no host's /dev/shm holds a segment; what is still there at the deadline."""
-        deadline = time.monotonic() + timeout
-        while True:
-            left = {n: self.segments(n) for n in self.names}
-            left = {n: v for n, v in left.items() if v}
-            if not left or time.monotonic() > deadline:
-                return left
-            time.sleep(0.3)
+        return self._wait_until_none(self.segments, timeout)
 
     def wait_clean(self, timeout: float = 15) -> dict[str, list[str]]:
         """Wait until no host has leftovers; what is still there at the deadline."""
+        return self._wait_until_none(self.leftovers, timeout)
+
+    def _wait_until_none(self, found, timeout: float) -> dict[str, list[str]]:
+        """Ask found(host) of every host until none answers anything, or the deadline passes."""
         deadline = time.monotonic() + timeout
         while True:
-            left = {n: self.leftovers(n) for n in self.names}
-            left = {n: v for n, v in left.items() if v}
+            left = {n: v for n in self.names if (v := found(n))}
             if not left or time.monotonic() > deadline:
                 return left
-            time.sleep(0.2)
+            time.sleep(0.25)
 
     def cut(self, name: str) -> None:
         """The host is lost: every process on it dies at once (sshd included), as at a power cut."""
