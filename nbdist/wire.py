@@ -35,10 +35,11 @@ def read_error_records(folder: str) -> list[dict]:
     return _read_all(folder, "rank-*.json")
 
 
-def write_death_record(folder: str, rank: int, host: str, when: float) -> None:
-    """A rank on another host was seen exiting at `when` (written by its segment keeper):
-    hydra's banner names only the host, the earliest record there names the rank."""
-    _write_atomic(folder, f"death-{rank}.json", {"rank": rank, "host": host, "time": when})
+def write_death_record(folder: str, rank: int, host: str, when: float | None, since: float) -> None:
+    """A rank on another host was seen exiting at `when` (written by its segment keeper, which
+    watched it from `since`; when=None: it was gone before that): hydra's banner names only
+    the host, the records there name the rank."""
+    _write_atomic(folder, f"death-{rank}.json", {"rank": rank, "host": host, "time": when, "since": since})
 
 
 def read_death_records(folder: str) -> list[dict]:

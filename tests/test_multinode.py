@@ -272,8 +272,12 @@ def test_nbdist_run_across_hosts(hosts, tmp_path):
 
     proc, took = _nbdist_run(hosts, tmp_path, "kill", "-H", "h1:2,h2:2")
     assert proc.returncode != 0
-    # hydra names the host; the segment keepers there record which rank exited first
-    assert "rank 3 on h2 died (killed by signal 9 (SIGKILL), as hydra reports it)" in proc.stderr, proc.stderr
+    # hydra names the host; the segment keepers there record which rank exited first, and
+    # where that is not certain the host's ranks are named instead - never the wrong rank
+    assert re.search(r"rank 3 on h2 died \(killed by signal 9 \(SIGKILL\), as hydra reports it\)|"
+                     r"a rank on h2 died \(killed by signal 9 \(SIGKILL\).*ranks 2-3 ran there",
+                     proc.stderr), proc.stderr
+    assert "rank 2 on h2 died" not in proc.stderr, proc.stderr
     assert took < 60
     assert not hosts.wait_clean(), "processes left on the hosts"
     assert not hosts.wait_no_segments(), f"segments left on the hosts: {hosts.wait_no_segments(0)}"

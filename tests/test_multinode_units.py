@@ -59,3 +59,22 @@ def test_remote_death_is_the_cause_not_the_local_ranks_hydra_killed(tmp_path, ca
     assert "a rank on h2 died (killed by signal 9 (SIGKILL), as hydra reports it" in err, err
     assert "rank 1 was stopped by MPI after the failure" in err, err
     assert "rank 1 died" not in err, err
+
+
+def test_death_records_name_a_rank_only_when_certain(tmp_path):
+    """nbdist run names the first rank to exit on a host only from complete, unambiguous
+    segment-keeper records: the killed rank found already gone by a late keeper is not
+    mistaken for the rank hydra's clean-up killed later."""
+    from nbdist.cli.run import _first_exits
+    from nbdist.wire import write_death_record
+
+    where = {"h1": [0, 1], "h2": [2, 3]}
+    write_death_record(str(tmp_path), 3, "h2", 100.000, 90.0)
+    write_death_record(str(tmp_path), 2, "h2", 100.006, 90.0)
+    assert _first_exits(str(tmp_path), where) == {"h2": 3}
+    write_death_record(str(tmp_path), 3, "h2", None, 100.1)  # its keeper came late: gone by then
+    assert _first_exits(str(tmp_path), where) == {}
+    write_death_record(str(tmp_path), 3, "h2", None, 99.0)  # gone before rank 2's exit was seen
+    assert _first_exits(str(tmp_path), where) == {"h2": 3}
+    write_death_record(str(tmp_path), 0, "h1", 100.01, 90.0)  # h1's rank 1 has no record yet
+    assert "h1" not in _first_exits(str(tmp_path), where)

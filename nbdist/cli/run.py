@@ -203,14 +203,24 @@ def _read_reports(report_dir: str, interrupted_by_us: bool) -> list[RankError]:
     return errors
 
 
-def _first_exits(report_dir: str) -> dict[str, int]:
-    """host -> the rank seen exiting first there (from the segment keepers' death records)."""
-    first: dict[str, tuple[float, int]] = {}
+def _first_exits(report_dir: str, where: dict[str, list[int]]) -> dict[str, int]:
+    """host -> the rank that exited first there, from the segment keepers' death records; a
+    host is left out while that is not certain (a rank without a record, or one that was
+    gone before its keeper watched it, unless that was before every exit seen live)."""
+    by_host: dict[str, dict[int, dict]] = {}
     for rec in read_death_records(report_dir):
-        seen = (rec["time"], rec["rank"])
-        if rec["host"] not in first or seen < first[rec["host"]]:
-            first[rec["host"]] = seen
-    return {host: rank for host, (_, rank) in first.items()}
+        by_host.setdefault(rec["host"], {})[rec["rank"]] = rec
+    first = {}
+    for host, recs in by_host.items():
+        if sorted(recs) != sorted(where.get(host, [])):
+            continue
+        live = {r: rec["time"] for r, rec in recs.items() if rec.get("time") is not None}
+        early = [r for r, rec in recs.items() if rec.get("time") is None]
+        if not early and live:
+            first[host] = min(live, key=lambda r: (live[r], r))
+        elif len(early) == 1 and all(recs[early[0]]["since"] < t for t in live.values()):
+            first[host] = early[0]
+    return first
 
 
 def _summarise(rc: int, output: str, report_dir: str, n: int, timeout, timed_out: bool,
@@ -249,11 +259,11 @@ def _summarise(rc: int, output: str, report_dir: str, n: int, timeout, timed_out
         # across hosts hydra prints no exit-code report for a remote death: its banner names the
         # host, and the first exit its ranks' segment keepers recorded there names the rank
         where = placement(list(slots), n)
-        first = _first_exits(report_dir)
+        first = _first_exits(report_dir, where)
         deadline = time.monotonic() + DEATH_RECORD_WAIT_S
         while any(h not in first for h, _ in banners) and time.monotonic() < deadline:
             time.sleep(0.05)  # the keepers write as the ranks exit, mpiexec may exit as soon
-            first = _first_exits(report_dir)
+            first = _first_exits(report_dir, where)
         headline = "; ".join(remote_death_line(h, c, first.get(h), where.get(h, [])) for h, c in banners)
         code = rc or 1
     elif errors:

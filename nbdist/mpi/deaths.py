@@ -60,6 +60,12 @@ def _watch(pids_by_rank: dict[int, int]) -> dict:
         st = zombie_wait_status(pids_by_rank[rank])
         if st is not None:
             status[rank] = st
+    reaped = [rank for rank in gone if rank not in status]
+    if reaped and status:
+        # Both kinds at the first look (a busy machine woke us late): hydra reaps the first
+        # dead rank before it asks its proxies to kill the others, so the ranks already reaped
+        # went first and the zombies are its clean-up kills. Their statuses come from mpiexec.
+        return {"first": reaped, "status": {}}
     return {"first": gone, "status": status}
 
 

@@ -85,21 +85,27 @@ def keep(pid: int, since: float, settle_s: float = SETTLE_S, report_dir: str | N
         return remove_orphan_segments(since)
     seen: set[str] = set()
     look = FIRST_LOOK_S
+    since = time.time()  # from now on an exit is seen as it happens
+    try:
+        live = proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        live = False
     while True:
         seen |= segments_of([proc])
         if _wait_for_exit(pid, look):
             break
         look = min(look * 2, MAX_LOOK_S)
-    _record_death(report_dir, rank, time.time())
+    _record_death(report_dir, rank, time.time() if live else None, since)
     return remove_orphan_segments(since, known=seen, settle_s=settle_s)
 
 
-def _record_death(report_dir: str | None, rank: int | None, when: float) -> None:
+def _record_death(report_dir: str | None, rank: int | None, when: float | None, since: float) -> None:
     """Under `nbdist run`, tell the launcher when this rank exited (its report folder is in
-    the shared working directory): hydra's banner names only the host of a death."""
+    the shared working directory): hydra's banner names only the host of a death. `when` is
+    None when the rank was gone before the keeper watched it (at some time before `since`)."""
     if report_dir and rank is not None:
         try:
-            write_death_record(report_dir, rank, socket.gethostname(), when)
+            write_death_record(report_dir, rank, socket.gethostname(), when, since)
         except OSError:  # the run is over and its folder gone: nobody asks any more
             pass
 

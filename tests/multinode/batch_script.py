@@ -13,6 +13,7 @@ print("RUN", hvd.rank(), socket.gethostname(), hvd.local_rank(), hvd.local_size(
       hvd.cross_size(), int(s[0]), flush=True)
 mode = sys.argv[1] if len(sys.argv) > 1 else ""
 if mode == "kill" and hvd.rank() == 3:
+    time.sleep(1.0)  # mid-run, as a real death is: its host's segment keepers are watching
     os.kill(os.getpid(), 9)
 if mode == "raise" and hvd.rank() == 2:
     raise ValueError("bad batch on rank 2")
