@@ -23,6 +23,8 @@ import json
 import os
 import time
 
+from .config import env_path
+
 ELASTIC_DIR_ENV = "NBDIST_ELASTIC_DIR"
 PLAN_FILE = "world.json"
 PLAN_WAIT_S = 120.0  # how long a rank waits for the driver's next world before it gives up
@@ -38,7 +40,7 @@ class WorldError(RuntimeError):
 
 def elastic_dir() -> str | None:
     """The driver's plan folder, or None outside an elastic cluster."""
-    return os.environ.get(ELASTIC_DIR_ENV) or None
+    return env_path(ELASTIC_DIR_ENV.removeprefix("NBDIST_")) or None
 
 
 def world_comm():

@@ -16,6 +16,8 @@ import subprocess
 
 import psutil
 
+from ..common.config import env_path
+
 CONTROLLER_ADDRESS_ENV = "NBDIST_CONTROLLER_ADDRESS"
 
 
@@ -91,7 +93,7 @@ def address_toward(hosts: list[str]) -> str:
     of a UDP socket "connected" to the first host that resolves: a UDP connect sends no
     packet, it only chooses the route. Hosts that are this machine give the loopback.
     """
-    override = os.environ.get(CONTROLLER_ADDRESS_ENV, "").strip()
+    override = (env_path(CONTROLLER_ADDRESS_ENV.removeprefix("NBDIST_")) or "").strip()
     if override:
         return override
     for host in hosts:

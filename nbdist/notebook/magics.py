@@ -19,6 +19,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from . import cell as cell_mod
 from . import display
+from ..common.config import env_str
 from ..mpi.hosts import HostsError
 from ..mpi.hosts import parse_hosts as parse_host_slots
 from .cluster import LAUNCHERS, MAX_RANKS, ClusterError, DistCluster
@@ -442,7 +443,7 @@ class DistributedMagics(Magics):
         """Plot a timeline the ranks wrote (hvd.start_timeline): a row per rank, a colour
         per phase (negotiation, queue, fusion copies, the transport's collective)."""
         args = parse_argstring(self.dist_timeline, line)
-        path = args.path or os.environ.get("NBDIST_TIMELINE") or os.environ.get("HOROVOD_TIMELINE")
+        path = args.path or env_str("TIMELINE")
         if not path:
             raise UsageError("%dist_timeline: give the timeline's path (as passed to "
                              "hvd.start_timeline in the cell), e.g. %dist_timeline /tmp/tl.json")
