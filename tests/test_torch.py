@@ -51,3 +51,13 @@ def test_everything_of_nbdist_common_is_reexported():
     assert [n for n in names if not hasattr(hvd, n)] == []
     for name in ("init", "rank", "size", "local_rank", "cross_size", "mpi_threads_supported"):
         assert getattr(hvd, name) is getattr(common, name)
+
+
+def test_gpu_available_answers_for_each_framework():
+    """Horovod's GPU tests skip on hvd.gpu_available(...): it must answer, never raise."""
+    import torch
+
+    import nbdist.torch as hvd
+
+    assert hvd.gpu_available("torch") is torch.cuda.is_available()
+    assert hvd.gpu_available("mxnet") is False  # no binding: False, as in Horovod

@@ -196,6 +196,27 @@ def cuda_built() -> bool:
     return nccl_built()
 
 
+def gpu_available(ext_base_name: str, verbose: bool = False) -> bool:
+    """Horovod's gpu_available('torch' | 'tensorflow'): whether that framework sees a GPU here.
+
+    False for a framework that is not installed (or a name nbdist has no binding for), as
+    in Horovod, so a GPU test can skip on it.
+    """
+    try:
+        if ext_base_name == "torch":
+            import torch
+
+            return bool(torch.cuda.is_available())
+        if ext_base_name == "tensorflow":
+            import tensorflow as tf
+
+            return bool(tf.config.list_physical_devices("GPU"))
+    except ImportError:
+        if verbose:
+            print(f"nbdist: {ext_base_name} is not installed")
+    return False
+
+
 def gloo_built() -> bool:
     """nbdist has no gloo controller; MPI is its controller."""
     return False

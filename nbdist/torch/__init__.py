@@ -8,7 +8,7 @@ with Horovod's names, signatures and defaults. See docs/torch.md.
 from __future__ import annotations
 
 from nbdist.common import (abort, ccl_built, cross_rank, cross_size, cuda_built, ddl_built,
-                           gloo_built, gloo_enabled, init, is_initialized, local_rank,
+                           gloo_built, gloo_enabled, gpu_available, init, is_initialized, local_rank,
                            local_size, mpi_built, mpi_enabled, mpi_threads_supported,
                            nccl_built, rank, rocm_built, shutdown, size, start_timeline,
                            stop_timeline)
