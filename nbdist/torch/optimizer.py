@@ -25,8 +25,8 @@ from nbdist import common as _c
 from nbdist.common import world as _world
 
 from .compression import Compression
-from .mpi_ops import (Adasum, Average, allgather_async, allreduce_async_,
-                      grouped_allreduce_async_, synchronize)
+from .mpi_ops import (Adasum, Average, _SparseHandle, allreduce_async_,
+                      grouped_allreduce_async_, sparse_allreduce_async, synchronize)
 from .process_sets import check_process_set, global_process_set
 
 _instances = itertools.count()  # numbers unnamed optimizers, so two never share op names
@@ -36,25 +36,6 @@ _classes: dict = {}  # one distributed subclass per wrapped optimizer class
 # model; the new optimizer then takes the parameters over, or the old hooks would submit
 # every gradient twice.
 _OWNER = "_nbdist_hooked_by"
-
-
-class _SparseHandle:
-    """A sparse gradient's reduction: allgather of its indices and values (as Horovod)."""
-
-    def __init__(self, grad: torch.Tensor, name: str, op, process_set=global_process_set):
-        grad = grad.coalesce()
-        self.shape, self.op, self.process_set = grad.shape, op, process_set
-        self.indices = allgather_async(grad.indices().t().contiguous(), name=f"{name}.indices",
-                                       process_set=process_set)
-        self.values = allgather_async(grad.values().contiguous(), name=f"{name}.values",
-                                      process_set=process_set)
-
-    def wait(self) -> torch.Tensor:
-        values = synchronize(self.values)
-        indices = synchronize(self.indices).t()
-        if self.op == Average:
-            values = values / (self.process_set.size() if self.process_set is not None else _c.size())
-        return torch.sparse_coo_tensor(indices, values, self.shape, check_invariants=True).coalesce()
 
 
 class _Bucket:
@@ -248,7 +229,7 @@ class _DistributedMixin:
         if p.grad is not None and p.grad.is_sparse and not self.sparse_as_dense:
             _c.ops.resolve_op(self.op, f"sparse gradient of {name}", kind=_c.ops.SPARSE)
             self._sparse.add(p)
-            self._handles[p] = (_SparseHandle(p.grad, name, self.op, self._process_set), None)
+            self._handles[p] = (sparse_allreduce_async(p.grad.coalesce(), name, self.op, self._process_set), None)
             return
         grad = self._dense_grad(p)
         compressed, ctx = self._compression.compress(grad)
@@ -381,7 +362,7 @@ class _DistributedMixin:
         for key, (handle, ctx) in handles.items():
             try:  # wait for every op, even after one failed, so none stays in flight
                 if isinstance(handle, _SparseHandle):
-                    key.grad = handle.wait()
+                    key.grad = handle.wait().coalesce()
                 else:
                     synchronize(handle)
                     if isinstance(key, _Bucket):
