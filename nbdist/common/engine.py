@@ -284,10 +284,11 @@ class Engine:
         except BaseException as exc:  # a transport failure: the runtime cannot go on
             self._broken = (f"nbdist runtime on rank {self.rank} stopped after an internal "
                             f"error: {type(exc).__name__}: {exc}; call shutdown() and init() again")
-            if not self._stopping:
-                # In an elastic world a dead peer is an expected event (hvd.elastic.run rebuilds
-                # the world): one line, no traceback.
-                self._warn(self._broken + ("" if world.elastic_dir() else "\n" + traceback.format_exc()))
+            # In an elastic world a dead peer is an expected event: hvd.elastic.run rebuilds the
+            # world and the driver reports the loss, so a warning on every survivor telling the
+            # user to re-init would only mislead. Ops still fail with RuntimeBrokenError.
+            if not self._stopping and not world.elastic_dir():
+                self._warn(self._broken + "\n" + traceback.format_exc())
             self._fail_all(errors.RuntimeBrokenError(self._broken))
 
     def _on_abort(self, epoch: int, reason: str) -> None:
