@@ -105,6 +105,15 @@ def test_sigkill_releases_peers_and_leaves_no_segment(n, tmp_path):
                 os.kill(int(pid_file.read_text()), signal.SIGKILL)
             except (ProcessLookupError, ValueError):
                 pass
+        # No rank finalizes MPI (a dead peer), so MPICH's segments stay unless removed: the
+        # ranks' own clean-up is what is tested below, MPICH's is this test's to do.
+        mapped = tmp_path / "mapped"
+        for path in (mapped.read_text().split() if mapped.exists() else []):
+            if os.path.basename(path).startswith("mpich"):
+                try:
+                    os.unlink(path)  # unlinking a segment a dying rank still maps is safe
+                except FileNotFoundError:
+                    pass
     files = {p.name: p.read_text() for p in tmp_path.iterdir()}
     assert "segment" in files and "killed" in files, (report, out[-4000:])
     segment, killed_at = files["segment"], float(files["killed"])
