@@ -73,6 +73,17 @@ def test_bad_cell_arguments_start_nothing(shell, dist, line):
     assert not dist._busy.locked()
 
 
+def test_a_misspelt_option_gets_a_suggestion(shell, dist):
+    with pytest.raises(UsageError, match=r"arguments: --timout 3 \(did you mean: --timout -> --timeout\?\)"):
+        shell.run_cell_magic("distributed", "-n 2 --timout 3", "x = 1")
+    with pytest.raises(UsageError, match=r"--lanucher -> --launcher"):
+        shell.run_line_magic("dist_start", "-n 2 --lanucher local")
+    with pytest.raises(UsageError) as info:  # nothing close: the plain message
+        shell.run_cell_magic("distributed", "--zzz", "x = 1")
+    assert "did you mean" not in str(info.value)
+    assert dist.cluster.cluster is None
+
+
 @pytest.mark.parametrize("body", ["", "   \n\t\n"])
 def test_empty_cell_is_an_error(shell, dist, body):
     with pytest.raises(UsageError, match="empty"):

@@ -8,6 +8,7 @@ the running cluster (and its state) is untouched.
 """
 from __future__ import annotations
 
+import difflib
 import os
 import shlex
 import threading
@@ -39,6 +40,27 @@ def _ranks_count(value, option: str) -> int:
         return int(str(value).strip())
     except ValueError:
         raise UsageError(f"{option} expects a whole number of ranks, got {value!r}") from None
+
+
+def parse_magic_line(magic, line: str):
+    """parse_argstring, with a "did you mean" for a misspelt option (Python 3.11's argparse
+    has none): `--timout 3` -> unrecognized arguments: --timout 3 (did you mean --timeout?)."""
+    try:
+        return parse_argstring(magic, line)
+    except UsageError as exc:
+        message = str(exc)
+        if "unrecognized arguments:" not in message:
+            raise
+        known = list(magic.parser._option_string_actions)
+        hints = []
+        for word in message.split("unrecognized arguments:", 1)[1].split():
+            option = word.split("=", 1)[0]
+            close = difflib.get_close_matches(option, known, n=1, cutoff=0.7) if option.startswith("-") else []
+            if close:
+                hints.append(f"{option} -> {close[0]}")
+        if not hints:
+            raise
+        raise UsageError(f"{message} (did you mean: {', '.join(hints)}?)") from None
 
 
 def parse_n(value: str | int | None, launcher: str = "local") -> int:
@@ -290,7 +312,7 @@ class DistributedMagics(Magics):
         that rank's traceback first (peers waiting in a collective are released);
         when a rank dies the cluster is restarted and the cell says so.
         """
-        args = parse_argstring(self.distributed, line)
+        args = parse_magic_line(self.distributed, line)
         if not cell or not cell.strip():
             raise UsageError("%%distributed: the cell is empty - nothing to run")
         n = self._default_n(args.n)
@@ -312,7 +334,7 @@ class DistributedMagics(Magics):
     @line_magic
     def dist_start(self, line):
         """Start (or restart) the cluster of N MPI ranks used by %%distributed."""
-        args = parse_argstring(self.dist_start, line)
+        args = parse_magic_line(self.dist_start, line)
         n = parse_n(args.n, args.launcher or self.cluster.launcher) if args.n is not None else None
         if n is None:
             raise UsageError("%dist_start needs -n N")
@@ -334,7 +356,7 @@ class DistributedMagics(Magics):
     def dist_scale(self, line):
         """Grow an elastic cluster to N ranks: new engines join the running ranks' world (the
         ranks keep their state; the new ones get it at the next hvd.elastic.run sync)."""
-        args = parse_argstring(self.dist_scale, line)
+        args = parse_magic_line(self.dist_scale, line)
         c = self._require_cluster()
         if not c.elastic:
             raise UsageError("%dist_scale needs an elastic cluster: %dist_start -n N --elastic")
@@ -385,7 +407,7 @@ class DistributedMagics(Magics):
     @line_magic
     def dist_pull(self, line):
         """Copy a variable from one rank into the notebook (also returned)."""
-        args = parse_argstring(self.dist_pull, line)
+        args = parse_magic_line(self.dist_pull, line)
         c = self._require_cluster()
         if args.rank not in c.ranks:
             raise UsageError(f"--rank {args.rank}: the cluster has ranks 0..{c.n - 1}")
@@ -407,7 +429,7 @@ class DistributedMagics(Magics):
     @line_magic
     def dist_push(self, line):
         """Copy notebook variables to every rank."""
-        args = parse_argstring(self.dist_push, line)
+        args = parse_magic_line(self.dist_push, line)
         c = self._require_cluster()
         missing = [name for name in args.names if name not in self.shell.user_ns]
         if missing:
@@ -426,7 +448,7 @@ class DistributedMagics(Magics):
     @line_magic
     def dist_run(self, line):
         """Run a script on every rank (like %run, in the engines' namespace)."""
-        args = parse_argstring(self.dist_run, line)
+        args = parse_magic_line(self.dist_run, line)
         path = Path(os.path.expanduser(args.file)).resolve()
         if not path.is_file():
             raise UsageError(f"%dist_run: no such file: {args.file}")
@@ -442,7 +464,7 @@ class DistributedMagics(Magics):
     def dist_timeline(self, line):
         """Plot a timeline the ranks wrote (hvd.start_timeline): a row per rank, a colour
         per phase (negotiation, queue, fusion copies, the transport's collective)."""
-        args = parse_argstring(self.dist_timeline, line)
+        args = parse_magic_line(self.dist_timeline, line)
         path = args.path or env_str("TIMELINE")
         if not path:
             raise UsageError("%dist_timeline: give the timeline's path (as passed to "
