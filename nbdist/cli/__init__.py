@@ -54,9 +54,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         from .elastic_run import run_elastic
 
-        env = dict(item.split("=", 1) for item in args.env if "=" in item)
         return run_elastic(args.script, args.args, n=args.n, min_np=args.min_np or 1,
-                           timeout=args.timeout, env=env)
+                           timeout=args.timeout, env=args.env)
     if args.command == "run":
         from .run import run_script
 

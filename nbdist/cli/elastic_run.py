@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import time
 from ..common.world import ELASTIC_DIR_ENV, exit_marker, lost_members, read_plan, write_plan
 from ..mpi import reaper
 from ..mpi.hydra import mpiexec_path, parse_exit_codes
+from .run import _env_dict, _pump, _stop
 
 POLL_S = 0.05
 
@@ -33,21 +33,24 @@ def _say(text: str) -> None:
 
 
 def run_elastic(script: str, args: list[str], n: int, min_np: int, timeout: float | None = None,
-                env: dict[str, str] | None = None) -> int:
+                env: list[str] | dict[str, str] | None = None) -> int:
     """Run script on n ranks elastically; return the exit status (0: the survivors finished)."""
-    from .run import _pump
-
     if not os.path.isfile(script):
         _say(f"no such script: {script}")
         return 2
     if not 1 <= min_np <= n:
         _say(f"--min-np must be between 1 and -n ({n}), got {min_np}")
         return 2
+    try:
+        extra = _env_dict(env)
+    except ValueError as exc:
+        _say(str(exc))
+        return 2
     folder = tempfile.mkdtemp(prefix="nbdist-elastic-")  # 0700: the plans stay private
     started = time.time()
     cmd = [mpiexec_path(), "-print-all-exitcodes", "-disable-auto-cleanup", "-n", str(n),
            sys.executable, "-m", "nbdist.rank.survive", sys.executable, "-u", script, *args]
-    run_env = {**os.environ, **(env or {}), ELASTIC_DIR_ENV: folder, "PYTHONUNBUFFERED": "1"}
+    run_env = {**os.environ, **extra, ELASTIC_DIR_ENV: folder, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=run_env, start_new_session=True)
     captured: list[str] = []
@@ -55,6 +58,7 @@ def run_elastic(script: str, args: list[str], n: int, min_np: int, timeout: floa
     pump.start()
     lost: list[int] = []  # ranks (numbered as mpiexec started them) that died
     failed = ""
+    aborted = False  # below --min-np: the survivors were told to stop and end by themselves
     original: list[int] | None = None
     try:
         while proc.poll() is None:
@@ -83,12 +87,15 @@ def run_elastic(script: str, args: list[str], n: int, min_np: int, timeout: floa
                           f"{'s' if len(survivors) != 1 else ''} left, below --min-np {min_np}")
                 write_plan(folder, {"generation": generation, "pids": survivors, "joiners": [],
                                     "abort": failed})
+                aborted = True
                 break
             write_plan(folder, {"generation": generation, "pids": survivors, "joiners": [], "abort": ""})
             _say(f"elastic: lost {names}; resized {len(pids)} -> {len(survivors)} ranks "
                  f"(generation {generation}); resuming from the last commit")
-        if failed:
-            _stop(proc, wait_s=10.0 if "min-np" in failed else 0.0)
+        if aborted:
+            _end(proc, wait_s=10.0)
+        elif failed:
+            _stop(proc)
         proc.wait()
     except KeyboardInterrupt:
         failed = "interrupted"
@@ -114,18 +121,10 @@ def run_elastic(script: str, args: list[str], n: int, min_np: int, timeout: floa
     return 0
 
 
-def _stop(proc: subprocess.Popen, wait_s: float = 0.0) -> None:
-    """Give the ranks wait_s to end by themselves (they got the abort), then stop the job."""
+def _end(proc: subprocess.Popen, wait_s: float) -> None:
+    """Give the ranks wait_s to end by themselves (they got the abort), then stop them as
+    nbdist run stops its ranks."""
     try:
         proc.wait(wait_s)
-        return
     except subprocess.TimeoutExpired:
-        pass
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(3.0)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _stop(proc)
