@@ -11,7 +11,7 @@ import nbharness as h
 pytestmark = pytest.mark.timeout(600)
 
 
-def readme_cells(page: str = "README.md") -> list[str]:
+def notebook_cells(page: str = "README.md") -> list[str]:
     """Every ```python block of a page that is a notebook cell (a magic on its first line)."""
     text = (h.ROOT / page).read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
@@ -19,13 +19,13 @@ def readme_cells(page: str = "README.md") -> list[str]:
 
 
 def test_readme_has_the_cell_example():
-    cells = readme_cells()
+    cells = notebook_cells()
     assert cells[0] == "%load_ext nbdist"
     assert any(c.startswith("%%distributed") and "nbdist.progress" in c for c in cells)
 
 
 def test_readme_cells_run_as_printed():
-    cells = readme_cells()
+    cells = notebook_cells()
     # After them, what the README promises: the names live on in the engines.
     nb = h.notebook(*cells, "%%distributed\nprint('still here:', type(model).__name__, type(opt).__name__)",
                     "%dist_stop")
@@ -38,7 +38,7 @@ def test_readme_cells_run_as_printed():
 
 def test_elastic_page_cell_runs_as_printed():
     """docs/elastic.md's cell: rank 2 kills itself, the run finishes on 3 ranks in the same cell."""
-    cells = readme_cells("docs/elastic.md")
+    cells = notebook_cells("docs/elastic.md")
     assert cells and cells[0].startswith("%%distributed -n 4 --elastic"), cells
     nb = h.notebook("%load_ext nbdist", cells[0], "%dist_stop")
     h.execute(nb, timeout=420)

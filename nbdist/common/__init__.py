@@ -3,8 +3,8 @@
 See docs/common-api.md. The framework bindings (nbdist.torch, nbdist.tensorflow)
 re-export everything here.
 """
-from .basics import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gpu_available,
-                     gloo_enabled, init, is_initialized, local_rank, local_size, mpi_built,
+from .basics import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,
+                     gloo_enabled, gpu_available, init, is_initialized, local_rank, local_size, mpi_built,
                      mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built, shutdown,
                      size, start_timeline, stop_timeline)
 from .errors import (AbortedError, CollectiveError, CollectiveTimeoutError, HorovodInternalError,
