@@ -6,6 +6,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <memory>
@@ -114,6 +115,10 @@ void bind_shm(py::module_& m) {
       .def("set_cma_bytes", [](PyShm& s, size_t b) { s.comm().set_cma_bytes(b); })
       .def("publish_queued", [](PyShm& s, int64_t v) { s.comm().publish_queued(v); })
       .def("peers_queued", [](PyShm& s) { return s.comm().peers_queued(); })
+      .def("hold_activity", [](PyShm& s, bool on) { s.comm().hold_activity(on); },
+           "While on, wait_activity ignores the peers (another thread joins their cycles).")
+      .def("peer_ahead", [](PyShm& s) { return s.comm().peer_ahead(); },
+           "True when a peer has started an op on the segment that this rank has not.")
       .def("ring", [](PyShm& s) { s.comm().ring(); },
            "Wake this process's wait_activity (any thread).")
       .def("wait_activity", [](PyShm& s, double timeout_s) { return s.comm().wait_activity(timeout_s); },
@@ -126,6 +131,33 @@ void bind_shm(py::module_& m) {
              s.run("barrier", timeout_s, stop, [&](ShmComm& c, WaitContext& ctx) { c.barrier(ctx); });
            },
            py::arg("timeout_s") = 0.0, py::arg("should_stop") = py::none())
+      .def("agree",
+           [](PyShm& s, int64_t payload_bytes, const std::vector<int64_t>& bits, int64_t nbits,
+              double timeout_s, py::object stop) {
+             // One agreement cycle's first step (nbdist/common/agreement.py): a Min-allreduce of
+             // [-payload bytes per rank..., one slot per cached op: 1 if queued here]. Built and
+             // read here, not in numpy: it runs once per cycle, on the small-op latency path.
+             const int n = s.comm().size();
+             std::vector<int32_t> vec(static_cast<size_t>(n + nbits), 0);
+             vec[s.comm().rank()] = static_cast<int32_t>(-payload_bytes);
+             for (int64_t b : bits) {
+               if (b < 0 || b >= nbits) throw py::value_error("agree: cache bit out of range");
+               vec[n + b] = 1;
+             }
+             s.run("agreement", timeout_s, stop, [&](ShmComm& c, WaitContext& ctx) {
+               c.allreduce(vec.data(), vec.size(), nbdist::kI32, nbdist::kMin, ctx);
+             });
+             py::list lengths(n);
+             for (int r = 0; r < n; ++r) lengths[r] = -static_cast<int64_t>(vec[r]);
+             std::vector<int64_t> ready;
+             for (int64_t b : bits)
+               if (vec[n + b] != 0) ready.push_back(b);
+             std::sort(ready.begin(), ready.end());
+             return py::make_tuple(lengths, py::cast(ready));
+           },
+           py::arg("payload_bytes"), py::arg("bits"), py::arg("nbits"), py::arg("timeout_s") = 0.0,
+           py::arg("should_stop") = py::none(),
+           "An agreement cycle's vote: (payload bytes per rank, the cache bits set on every rank).")
       .def("allreduce",
            [](PyShm& s, uintptr_t buf, size_t count, int dtype, int op, double timeout_s, py::object stop) {
              s.run("allreduce", timeout_s, stop,

@@ -83,6 +83,12 @@ class ShmComm {
   int wait_activity(double timeout_s);
   // Wakes this process's wait_activity (any thread; a futex wake only if it sleeps).
   void ring();
+  // While another thread of this process runs the agreement's cycles itself (it joins
+  // peers' cycles), wait_activity stops watching the peers: it does not count as a
+  // sleeper on the shared wake word, so the peers' every step does not wake it (a
+  // futex wake and a context switch each, on cores the ranks need), and it looks
+  // again at least every HELD_RECHECK_NS. ring() and an abort still end its wait.
+  void hold_activity(bool on) { held_.store(on ? 1 : 0, std::memory_order_seq_cst); }
   // The agreement's "I have ops queued" word (the scratch word; its segment runs no
   // collective that uses scratch): publish this rank's, and ask whether every peer's
   // is non-zero. seq_cst on both sides: of two ranks publishing at once, at least one
@@ -92,6 +98,16 @@ class ShmComm {
     for (int r = 0; r < n_; ++r)
       if (r != rank_ && hdr_->ranks[r].scratch.load(std::memory_order_seq_cst) == 0) return false;
     return true;
+  }
+
+  // True when a peer has started an op on this segment that this rank has not (the
+  // condition wait_activity returns 1 on): a thread that runs the agreement's cycle
+  // outside wait_activity asks this before joining one. Call it while no op of this
+  // rank runs on the segment (the agreement's cycle lock makes sure).
+  bool peer_ahead() const {
+    for (int r = 0; r < n_; ++r)
+      if (r != rank_ && hdr_->ranks[r].seq.load(std::memory_order_acquire) > gen_) return true;
+    return false;
   }
 
   // Tuning (set from Python before the first op).
@@ -137,6 +153,8 @@ class ShmComm {
   size_t cma_bytes_ = 0;
   std::atomic<uint64_t> doorbell_{0};  // ring() count (this process only)
   std::atomic<int> idle_sleeping_{0};  // wait_activity is (about to be) in FUTEX_WAIT
+  std::atomic<int> held_{0};           // hold_activity(true): another thread watches peers
+  std::atomic<uint32_t> held_word_{0};  // wait_activity's futex word while held (ring's)
   uint64_t doorbell_seen_ = 0;         // the count wait_activity last returned on  // allreduces of at least this many bytes stream their output
 };
 

@@ -21,6 +21,10 @@
 namespace nbdist {
 namespace {
 
+// While another thread holds the activity watch (hold_activity), wait_activity looks
+// again this often: after the holder lets go, a peer's cycle start is noticed within it.
+constexpr long HELD_RECHECK_NS = 1000000L;  // 1 ms
+
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_ia32_pause();
@@ -208,6 +212,8 @@ void ShmComm::ring() {
   if (hdr_ != nullptr && idle_sleeping_.load(std::memory_order_seq_cst) != 0) {
     hdr_->wake_word.fetch_add(1, std::memory_order_seq_cst);
     futex_wake_all(&hdr_->wake_word);
+    held_word_.fetch_add(1, std::memory_order_seq_cst);
+    futex_wake_all(&held_word_);
   }
 }
 
@@ -221,6 +227,7 @@ int ShmComm::wait_activity(double timeout_s) {
       doorbell_seen_ = rung;
       return 2;
     }
+    if (held_.load(std::memory_order_seq_cst) != 0) return 0;  // the holder joins peers
     for (int r = 0; r < n_; ++r)
       if (r != rank_ && ranks[r].seq.load(std::memory_order_acquire) > gen_) return 1;
     return 0;
@@ -238,6 +245,15 @@ int ShmComm::wait_activity(double timeout_s) {
     double left = timeout_s - seconds_since(start);
     if (left <= 0) return 0;
     idle_sleeping_.store(1, std::memory_order_seq_cst);  // before reading the doorbell (ring's pair)
+    if (held_.load(std::memory_order_seq_cst) != 0) {
+      // Not a sleeper on the shared word: the peers' steps do not wake this thread.
+      uint32_t word = held_word_.load(std::memory_order_seq_cst);
+      s = state();
+      if (s == 0) futex_wait(&held_word_, word, std::min(static_cast<long>(left * 1e9), HELD_RECHECK_NS));
+      idle_sleeping_.store(0, std::memory_order_seq_cst);
+      if (s != 0 || (s = state()) != 0) return s;
+      continue;
+    }
     hdr_->sleepers.fetch_add(1, std::memory_order_seq_cst);
     uint32_t word = hdr_->wake_word.load(std::memory_order_seq_cst);
     s = state();

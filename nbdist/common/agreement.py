@@ -28,13 +28,13 @@ inside it notices a dead peer (and names it) within ~0.1 s.
 from __future__ import annotations
 
 import pickle
+import threading
 import time
 
 import numpy as np
 
 from . import timeline
 from .negotiation import Coordinator
-from .ops_base import ReduceOp
 from .requests import Request
 
 DEMOTE_S = 0.25  # a cached op waiting longer than this is sent in full (stall bookkeeping)
@@ -71,6 +71,10 @@ class ShmAgreement:
         self.coord = Coordinator(self.size, config.fusion_threshold, config.cache_capacity,
                                  config.stall_warning_s, config.timeout_s,
                                  warn=engine._warn if self.rank == 0 else _quiet)
+        # Held by whichever thread runs cycles: the engine thread, or a thread that waits
+        # for an op and runs them itself meanwhile (Engine.drive). Everything below is
+        # touched under it.
+        self.lock = threading.Lock()
         self.bit_pending: dict[int, Request] = {}  # cache id -> this rank's queued op
         self.last_stall_check = 0.0
         self.last_cycle = 0.0
@@ -145,6 +149,14 @@ class ShmAgreement:
     def ring(self) -> None:
         self.native.ring()
 
+    def hold(self, on: bool) -> None:
+        """While on, the engine thread's wait() does not watch the peers (a driver does)."""
+        self.native.hold_activity(on)
+
+    def peer_ahead(self) -> bool:
+        """A peer has started a cycle this rank has not joined yet."""
+        return self.native.peer_ahead()
+
     # -- one cycle, collective over the engine's ranks ---------------------------------------
     def cycle(self, items: list[tuple]) -> None:
         eng, coord, size = self.engine, self.coord, self.size
@@ -154,12 +166,9 @@ class ShmAgreement:
         self.stats["cycles"] += 1
         payload = pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL) if items else b""
         nbits = -(-len(coord.cache_by_id) // 16) * 16  # the same on every rank (replicas)
-        vec = np.zeros(size + nbits, np.int32)
-        vec[self.rank] = -len(payload)
-        if self.bit_pending:
-            vec[size + np.fromiter(self.bit_pending, np.int64, len(self.bit_pending))] = 1
-        self.seg.allreduce(vec, ReduceOp.Min)
-        lengths = (-vec[:size]).tolist()
+        # The AND of the bits comes back as a subset of this rank's own, sorted by cache id
+        # as the replicas' fusion expects.
+        lengths, ready = self.seg.agree(len(payload), list(self.bit_pending), nbits)
         per_rank: list[list] = [[] for _ in range(size)]
         if any(lengths):
             self.stats["item_cycles"] += 1
@@ -170,8 +179,10 @@ class ShmAgreement:
                 if n:
                     per_rank[r] = pickle.loads(recv[offset:offset + n])  # type: ignore[arg-type]
                 offset += n
-        ready = np.flatnonzero(vec[size:]).tolist() if nbits else []
-
+        nbits = -(-len(coord.cache_by_id) // 16) * 16  # the same on every rank (replicas)
+        # The AND of the bits comes back as a subset of this rank's own, sorted by cache id
+        # as the replicas' fusion expects.
+        lengths, ready = self.seg.agree(len(payload), list(self.bit_pending), nbits)
         aborts = [item[1] for items_r in per_rank for item in items_r if item[0] == "a"]
         if aborts:  # every rank fails every op in flight, and the next epoch starts clean
             self.bit_pending.clear()

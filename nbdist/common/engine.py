@@ -19,6 +19,11 @@ the new epoch are ignored, so the next cell starts clean.
 When every rank of the engine is on one node and the shm transport runs, the ranks
 agree through shared memory instead, each with a replica of the coordinator and no
 round trip to rank 0 (agreement.py); NBDIST_AGREEMENT=coordinator keeps the MPI path.
+There a thread that waits for an op (synchronize) first runs the agreement's cycles
+itself for a moment (Engine.drive): a synchronous op then costs no hand-over to the
+engine thread and back (two thread wake-ups, most of a small op's time); the engine
+thread stays the one that waits for slow peers, and a lock lets one thread at a time
+run cycles.
 
 The interface (the same in both modes; process sets build one Engine per set over
 that set's communicators, so nothing here is global): Engine(topology, config,
@@ -27,7 +32,11 @@ abort(reason); stop(); auto_name(kind).
 """
 from __future__ import annotations
 
+import _signal
 import collections
+import functools
+import os
+import signal
 import sys
 import threading
 import time
@@ -42,7 +51,13 @@ from .requests import Request, Response
 TAG_TO_COORDINATOR = 11
 TAG_FROM_COORDINATOR = 12
 COORDINATOR = 0
+_SIGINT = int(signal.SIGINT)
 STALL_CHECK_INTERVAL_S = 0.05  # rank 0 looks for stalled ops at most this often
+# How long a waiting thread runs the shm agreement itself (Engine.drive) for peers to
+# submit the op too before it leaves the wait to the engine thread: long enough for
+# ranks that run the same step to meet, short enough not to take a core from a peer
+# that is still computing.
+DRIVE_WAIT_S = 2e-3
 
 
 def _fine_timer_slack() -> None:
@@ -59,6 +74,37 @@ def _fine_timer_slack() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(29, 1, 0, 0, 0)  # PR_SET_TIMERSLACK, 1 ns
     except Exception:
         pass
+
+
+_blocking = threading.local()  # per thread: .depth of blocking() calls, .engines to wake
+
+
+def blocking(fn):
+    """Marks a collective that waits for its own result (allreduce, not allreduce_async).
+
+    The ops it submits do not wake the engine thread: the calling thread runs them itself
+    in synchronize() (Engine.drive), and a wake-up would only make the engine thread race
+    it for them (a context switch and a hand-over, most of a small op's time on 2 cores).
+    Whatever is still queued when the outermost such call returns, or raises, is handed
+    to the engine thread then.
+    """
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        local = _blocking
+        depth = getattr(local, "depth", 0)
+        local.depth = depth + 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            local.depth = depth
+            engines = getattr(local, "engines", None)
+            if not depth and engines:
+                local.engines = None
+                for engine in engines:
+                    engine.wake_if_queued()
+
+    return call
 
 
 class Backoff:
@@ -171,7 +217,71 @@ class Engine:
             self._cv.notify()
         timeline.op_submitted(request.kind, request.name)
         if self.agreement is not None:
+            request.handle.engine = self
+            if getattr(_blocking, "depth", 0):  # the caller drives it (see blocking())
+                engines = getattr(_blocking, "engines", None)
+                if engines is None:
+                    engines = _blocking.engines = set()
+                engines.add(self)
+            else:
+                self.agreement.ring()
+
+    def wake_if_queued(self) -> None:
+        """Hand ops a blocking call left queued (it raised, or did not drive) to the thread."""
+        if self.agreement is not None and (self._queue or self._local):
             self.agreement.ring()
+
+    def drive(self, handle) -> None:
+        """Run the shm agreement in this (waiting) thread until `handle` is done, for a moment.
+
+        Called by synchronize() before it waits. When the engine thread is not in a cycle,
+        this thread runs what the engine thread would: take the queue, and start or join
+        cycles; if the peers have not submitted the op within DRIVE_WAIT_S it leaves the
+        rest to the engine thread (which it wakes). A Ctrl-C that arrives meanwhile is held
+        until the cycle is over (a cycle left half-way would stop every rank's agreement)
+        and then raised as usual.
+        """
+        agreement = self.agreement
+        # The engine thread holds the lock for a moment after each wake-up (a peer's cycle
+        # wakes it too); waiting for that beats handing the op over to it.
+        if agreement is None or self._broken:
+            return
+        if not agreement.lock.acquire(timeout=DRIVE_WAIT_S):
+            agreement.ring()  # the engine thread is in a long cycle: it runs this op next
+            return
+        deferred = _DeferredSigint()
+        try:
+            deferred.__enter__()
+            agreement.hold(True)  # this thread joins the peers' cycles now
+            self._drive_locked(agreement, handle)
+        except BaseException as exc:
+            self._runtime_failed(exc)
+        finally:
+            agreement.hold(False)
+            agreement.lock.release()
+            # The engine thread sleeps with a timeout computed before this op existed, and
+            # may have slept through a peer's cycle start while this thread held the lock.
+            if not handle.done() or self._local or agreement.peer_ahead():
+                agreement.ring()
+            deferred.__exit__()
+
+    def _drive_locked(self, agreement, handle) -> None:
+        deadline = 0.0
+        while not handle.done():
+            with self._cv:
+                if self._stopping:
+                    return
+                new, control = self._drain_locked()
+            now = time.monotonic()
+            items = agreement.prepare(new, control, now)
+            if items or agreement.must_cycle(now) or agreement.peer_ahead():
+                agreement.cycle(items)
+                continue
+            if not deadline:
+                deadline = now + DRIVE_WAIT_S
+            elif now >= deadline:
+                return
+            os.sched_yield()  # a peer sharing this core gets to submit its op
 
     def abort(self, reason: str, wait_s: float = 5.0) -> None:
         """Fail every op in flight on every rank with `reason`.
@@ -256,40 +366,51 @@ class Engine:
             self._fail_all(errors.RuntimeBrokenError(self._broken))
 
     def _run_shm(self) -> None:
-        """The engine thread with the shm agreement: cycle when there is news, else sleep."""
+        """The engine thread with the shm agreement: cycle when there is news, else sleep.
+
+        A cycle runs under the agreement's lock, which a waiting user thread may hold
+        instead (drive): after each wake-up this thread looks again at what there is to do.
+        """
         agreement = self.agreement
         _fine_timer_slack()
         try:
             while True:
-                taken = self._take_queued()
-                if taken is None:
-                    return
-                new, control = taken
-                now = time.monotonic()
-                items = agreement.prepare(new, control, now)
-                if items or agreement.must_cycle(now):
-                    agreement.cycle(items)
-                    continue
-                woke = agreement.wait(agreement.next_timeout(now))
-                if woke == 1:  # a peer started a cycle: join it (with whatever is queued now)
-                    with self._cv:
-                        new, control = self._drain_locked()
-                    agreement.cycle(agreement.prepare(new, control, time.monotonic()))
-                elif woke == 3:  # the segment was aborted: a peer died, shut down or gave up
+                with agreement.lock:
+                    if self._broken:
+                        return  # a cycle in drive() failed: it failed the ops already
+                    taken = self._take_queued()
+                    if taken is None:
+                        return
+                    new, control = taken
+                    now = time.monotonic()
+                    items = agreement.prepare(new, control, now)
+                    # A peer ahead started a cycle: join it (with whatever is queued now).
+                    if items or agreement.must_cycle(now) or agreement.peer_ahead():
+                        agreement.cycle(items)
+                        continue
+                    timeout = agreement.next_timeout(now)
+                if agreement.wait(timeout) == 3:
+                    # The segment was aborted: a peer died, shut down or gave up.
                     reason = agreement.native.abort_reason()
                     self._broken = (f"nbdist runtime on rank {self.rank} stopped: {reason}; "
                                     "call shutdown() and init() again")
                     self._fail_all(errors.RuntimeBrokenError(self._broken))
                     return
         except BaseException as exc:  # a transport failure: the runtime cannot go on
-            self._broken = (f"nbdist runtime on rank {self.rank} stopped after an internal "
-                            f"error: {type(exc).__name__}: {exc}; call shutdown() and init() again")
-            # In an elastic world a dead peer is an expected event: hvd.elastic.run rebuilds the
-            # world and the driver reports the loss, so a warning on every survivor telling the
-            # user to re-init would only mislead. Ops still fail with RuntimeBrokenError.
-            if not self._stopping and not world.elastic_dir():
-                self._warn(self._broken + "\n" + traceback.format_exc())
-            self._fail_all(errors.RuntimeBrokenError(self._broken))
+            self._runtime_failed(exc)
+
+    def _runtime_failed(self, exc: BaseException) -> None:
+        """A cycle raised (a transport failure): fail every op; this runtime cannot go on."""
+        if self._broken:
+            return
+        self._broken = (f"nbdist runtime on rank {self.rank} stopped after an internal "
+                        f"error: {type(exc).__name__}: {exc}; call shutdown() and init() again")
+        # In an elastic world a dead peer is an expected event: hvd.elastic.run rebuilds the
+        # world and the driver reports the loss, so a warning on every survivor telling the
+        # user to re-init would only mislead. Ops still fail with RuntimeBrokenError.
+        if not self._stopping and not world.elastic_dir():
+            self._warn(self._broken + "\n" + traceback.format_exc())
+        self._fail_all(errors.RuntimeBrokenError(self._broken))
 
     def _on_abort(self, epoch: int, reason: str) -> None:
         """Every rank: fail every op in flight with the abort's reason; a new epoch starts."""
@@ -506,3 +627,44 @@ class Engine:
             self.agreement.bit_pending.clear()
         for req in pending:
             req.handle.set_error(error)
+
+
+class _DeferredSigint:
+    """Holds a Ctrl-C (SIGINT) that arrives in the main thread until __exit__, then delivers it.
+
+    A no-op outside the main thread (only the main thread gets KeyboardInterrupt) and where
+    the handler was not installed from Python (it could not be put back). It goes through
+    `_signal`, the C module under `signal`: `signal.signal` wraps handlers in enums, 5 µs
+    a call against 0.4 µs, and it runs twice per synchronous op.
+    """
+
+    __slots__ = ("previous", "frame", "armed")
+
+    def __init__(self):
+        self.previous = None
+        self.frame = None
+        self.armed = False
+
+    def _hold(self, signum, frame) -> None:
+        self.frame = frame or sys._getframe(0)
+
+    def __enter__(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if _signal.getsignal(_SIGINT) is None:
+            return
+        self.previous = _signal.signal(_SIGINT, self._hold)
+        self.armed = True
+
+    def __exit__(self) -> None:
+        if not self.armed:
+            return
+        self.armed = False
+        previous = self.previous
+        _signal.signal(_SIGINT, previous)
+        if self.frame is None:
+            return
+        if callable(previous):
+            previous(_SIGINT, self.frame)  # default_int_handler: KeyboardInterrupt
+        elif previous == signal.SIG_DFL:
+            os.kill(os.getpid(), _SIGINT)

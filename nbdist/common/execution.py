@@ -16,6 +16,11 @@ from .requests import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN,
                        REDUCESCATTER, Request, Response, make_error)
 
 
+# A response's op (an int) -> what the transport reduces with: Average sums, then divides.
+_TRANSPORT_OPS = {int(op): op for op in ReduceOp}
+_TRANSPORT_OPS[int(ReduceOp.Average)] = ReduceOp.Sum
+
+
 def reducescatter_counts(rows: int, size: int) -> list[int]:
     """Rows of the first dimension each rank keeps: the first `rows % size` get one more."""
     base, extra = divmod(rows, size)
@@ -86,7 +91,7 @@ class Executor:
 
     @staticmethod
     def _transport_op(op: int) -> ReduceOp:
-        return ReduceOp.Sum if op == ReduceOp.Average else ReduceOp(op)
+        return _TRANSPORT_OPS[op]
 
     # -- entry point -------------------------------------------------------------------
     def run_unit(self, unit: list[Response], local: dict[str, Request],

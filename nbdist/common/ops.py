@@ -16,6 +16,7 @@ from . import adasum as _adasum
 from .ops_base import BFLOAT16, ReduceOp, SUPPORTED_DTYPES, UnsupportedOpError, dtype_name
 from .requests import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN, REDUCESCATTER,
                        GroupHandle, Handle, Request, signature)
+from .engine import blocking
 from .negotiation import JOIN_NAME
 
 
@@ -247,6 +248,9 @@ class DerivedHandle(Handle):
     def wait(self, timeout):
         return self.inner.wait(timeout)
 
+    def drive(self) -> None:
+        self.inner.drive()
+
     def result(self):
         if not self._computed:
             self._result = self.compute(self.inner.result())
@@ -294,6 +298,7 @@ def synchronize(handle: Handle):
         raise TypeError(f"synchronize expects a handle returned by an *_async op, got "
                         f"{type(handle).__name__}")
     try:
+        handle.drive()
         while not handle.wait(0.1):
             pass
     except KeyboardInterrupt:
@@ -339,6 +344,7 @@ def allreduce_async_(array, op=ReduceOp.Average, name: str | None = None,
                    prescale=prescale_factor, postscale=postscale_factor)
 
 
+@blocking
 def allreduce(array, op=ReduceOp.Average, name: str | None = None,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
               process_set=None) -> np.ndarray:
@@ -347,6 +353,7 @@ def allreduce(array, op=ReduceOp.Average, name: str | None = None,
                                        process_set))
 
 
+@blocking
 def allreduce_(array, op=ReduceOp.Average, name: str | None = None,
                prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                process_set=None) -> np.ndarray:
@@ -381,6 +388,7 @@ def grouped_allreduce_async_(arrays: Sequence, op=ReduceOp.Average, name: str | 
                                    process_set)
 
 
+@blocking
 def grouped_allreduce(arrays: Sequence, op=ReduceOp.Average, name: str | None = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       process_set=None) -> list:
@@ -389,6 +397,7 @@ def grouped_allreduce(arrays: Sequence, op=ReduceOp.Average, name: str | None = 
                                                process_set=process_set))
 
 
+@blocking
 def grouped_allreduce_(arrays: Sequence, op=ReduceOp.Average, name: str | None = None,
                        prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                        process_set=None) -> list:
@@ -407,6 +416,7 @@ def allgather_async(array, name: str | None = None, process_set=None) -> Handle:
     return _submit(ALLGATHER, a, name, engine=engine)
 
 
+@blocking
 def allgather(array, name: str | None = None, process_set=None) -> np.ndarray:
     """Concatenate every rank's array along the first dimension (which may differ per rank)."""
     return synchronize(allgather_async(array, name, process_set))
@@ -432,11 +442,13 @@ def broadcast_async_(array, root_rank: int, name: str | None = None,
     return _submit(BROADCAST, a, name, inplace=True, engine=engine, root=root)
 
 
+@blocking
 def broadcast(array, root_rank: int, name: str | None = None, process_set=None) -> np.ndarray:
     """root_rank's array on every rank; returns a new array."""
     return synchronize(broadcast_async(array, root_rank, name, process_set))
 
 
+@blocking
 def broadcast_(array, root_rank: int, name: str | None = None, process_set=None) -> np.ndarray:
     """root_rank's array written into `array` on every rank; returns `array`."""
     return synchronize(broadcast_async_(array, root_rank, name, process_set))
@@ -464,6 +476,7 @@ def alltoall_async(array, splits=None, name: str | None = None, process_set=None
     return _submit(ALLTOALL, a, name, engine=engine, splits=tuple(int(s) for s in splits))
 
 
+@blocking
 def alltoall(array, splits=None, name: str | None = None, process_set=None):
     """Send splits[p] rows to rank p; returns (received rows in rank order, received splits)."""
     return synchronize(alltoall_async(array, splits, name, process_set))
@@ -482,6 +495,7 @@ def reducescatter_async(array, op=ReduceOp.Average, name: str | None = None,
                    postscale=postscale_factor)
 
 
+@blocking
 def reducescatter(array, op=ReduceOp.Average, name: str | None = None,
                   prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                   process_set=None) -> np.ndarray:
@@ -491,12 +505,14 @@ def reducescatter(array, op=ReduceOp.Average, name: str | None = None,
 
 
 # -- synchronization and objects -----------------------------------------------------------
+@blocking
 def barrier(process_set=None) -> None:
     """Wait until every rank (of the process set) reaches this barrier."""
     engine, _ = process_sets.resolve(process_set, "barrier")
     synchronize(_submit(BARRIER, None, None, engine=engine))
 
 
+@blocking
 def join() -> int:
     """This rank is out of data: take part in the others' allreduces with zeros until all join.
 
@@ -523,6 +539,7 @@ def _unpickle(data: np.ndarray):
     return pickle.loads(data.tobytes())
 
 
+@blocking
 def broadcast_object(obj, root_rank: int = 0, name: str | None = None, process_set=None):
     """root_rank's Python object on every rank (serialized with cloudpickle)."""
     _, ranks = process_sets.resolve(process_set, "broadcast_object")
@@ -541,6 +558,7 @@ def broadcast_object(obj, root_rank: int = 0, name: str | None = None, process_s
     return obj if is_root else _unpickle(received)
 
 
+@blocking
 def allgather_object(obj, name: str | None = None, process_set=None) -> list:
     """Every rank's Python object, as a list in rank order."""
     base = name or "allgather_object"  # fixed, as broadcast_object's

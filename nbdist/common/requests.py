@@ -18,17 +18,23 @@ ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER, JOIN = (
 class Handle:
     """An in-flight op: poll it, or wait for its result (see ops.synchronize)."""
 
-    __slots__ = ("name", "_event", "_result", "_error")
+    __slots__ = ("name", "_event", "_result", "_error", "engine")
 
     def __init__(self, name: str):
         self.name = name
         self._event = threading.Event()
         self._result: Any = None
         self._error: BaseException | None = None
+        self.engine: Any = None  # set by Engine.submit: the engine that runs the op
 
     def done(self) -> bool:
         """True once the op finished (successfully or not)."""
         return self._event.is_set()
+
+    def drive(self) -> None:
+        """About to wait: let the waiting thread run the engine's agreement (Engine.drive)."""
+        if self.engine is not None and not self._event.is_set():
+            self.engine.drive(self)
 
     def set_result(self, result: Any) -> None:
         self._result = result
@@ -64,6 +70,10 @@ class GroupHandle(Handle):
 
     def done(self) -> bool:
         return all(p.done() for p in self.parts)
+
+    def drive(self) -> None:
+        for p in self.parts:
+            p.drive()
 
     def wait(self, timeout: float | None) -> bool:
         for p in self.parts:

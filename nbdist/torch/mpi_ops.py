@@ -13,6 +13,7 @@ from typing import Callable, Sequence
 import torch
 
 from nbdist import common as _c
+from nbdist.common.engine import blocking
 from nbdist.common.ops import (REDUCESCATTER, SPARSE,  # noqa: F401 (handle_... re-exported)
                                handle_average_backwards_compatibility, resolve_op)
 from nbdist.common.ops_base import Adasum, Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401 (re-exported)
@@ -131,6 +132,7 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
         process_set=ps))
 
 
+@blocking
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                postscale_factor=1.0, process_set=global_process_set) -> torch.Tensor:
     """In-place allreduce; returns `tensor`."""
@@ -153,6 +155,7 @@ class _Allreduce(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
+@blocking
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
               prescale_factor=1.0, postscale_factor=1.0,
               process_set=global_process_set) -> torch.Tensor:
@@ -229,6 +232,7 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
     return Handle(inner, finish, keep=tuple(stagings))
 
 
+@blocking
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                        postscale_factor=1.0, process_set=global_process_set) -> list:
     """In-place grouped allreduce; returns the list of tensors."""
@@ -252,6 +256,7 @@ class _GroupedAllreduce(torch.autograd.Function):
         return (None, None, None, None, None, *reduced)
 
 
+@blocking
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
                       prescale_factor=1.0, postscale_factor=1.0,
                       process_set=global_process_set) -> list:
@@ -350,6 +355,7 @@ def _allgather_grad(grad_output, rows: int, ps=None):
     return averaged.narrow(0, offset, rows)
 
 
+@blocking
 def allgather(tensor, name=None, process_set=global_process_set) -> torch.Tensor:
     """Concatenate every rank's `tensor` along dimension 0 into a new tensor; differentiable."""
     ps = check_process_set(process_set, "allgather")
@@ -379,6 +385,7 @@ class _GroupedAllgather(torch.autograd.Function):
                               for g, rows in zip(grads, ctx.rows)])
 
 
+@blocking
 def grouped_allgather(tensors, name=None, process_set=global_process_set) -> list:
     """Allgather each tensor in a list as one group; differentiable."""
     ps = check_process_set(process_set, "grouped_allgather")
@@ -453,6 +460,7 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_se
                     lambda buf: _c.broadcast_async_(buf, root, name=name, process_set=ps))
 
 
+@blocking
 def broadcast_(tensor, root_rank, name=None, process_set=global_process_set) -> torch.Tensor:
     """In-place broadcast; returns `tensor`."""
     return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
@@ -474,6 +482,7 @@ class _Broadcast(torch.autograd.Function):
         return grad, None, None, None
 
 
+@blocking
 def broadcast(tensor, root_rank, name=None, process_set=global_process_set) -> torch.Tensor:
     """root_rank's `tensor` on every rank, as a new tensor; differentiable."""
     ps = check_process_set(process_set, "broadcast")
@@ -518,6 +527,7 @@ class _Alltoall(torch.autograd.Function):
         return grad, None, None, None
 
 
+@blocking
 def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
     """Scatter rows of `tensor` to the ranks and gather theirs; differentiable.
 
@@ -569,6 +579,7 @@ def _reducescatter_grad(grad_output, scale: float, ps=None):
     return grad * scale if scale != 1 else grad
 
 
+@blocking
 def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
                   process_set=global_process_set, prescale_factor=1.0,
                   postscale_factor=1.0) -> torch.Tensor:
@@ -604,6 +615,7 @@ class _GroupedReducescatter(torch.autograd.Function):
                 *[_reducescatter_grad(g, ctx.scale, ctx.ps) for g in grads])
 
 
+@blocking
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
                           process_set=global_process_set, prescale_factor=1.0,
                           postscale_factor=1.0) -> list:

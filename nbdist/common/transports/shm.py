@@ -202,6 +202,18 @@ class ShmTransport(Transport):
     def barrier(self) -> None:
         self._call("barrier")
 
+    def agree(self, payload_bytes: int, bits: list[int], nbits: int) -> tuple[list[int], list[int]]:
+        """The shm agreement's vote (agreement.py): (every rank's payload bytes, the bits
+        that every rank set), sorted; one Min-allreduce built and read in C++."""
+        if self._native is None:
+            raise TransportError(f"the shm transport on rank {self.global_rank} is closed")
+        try:
+            return self._native.agree(payload_bytes, bits, nbits, self.timeout_s, self.should_stop)
+        except RuntimeError as exc:
+            if isinstance(exc, TransportError):
+                raise
+            raise TransportError(str(exc)) from None
+
     # -- failure and recovery --------------------------------------------------------------
     def abort(self, reason: str) -> None:
         """Fail the op running on every rank of the node (callable from any thread)."""
