@@ -179,10 +179,6 @@ class ShmAgreement:
                 if n:
                     per_rank[r] = pickle.loads(recv[offset:offset + n])  # type: ignore[arg-type]
                 offset += n
-        nbits = -(-len(coord.cache_by_id) // 16) * 16  # the same on every rank (replicas)
-        # The AND of the bits comes back as a subset of this rank's own, sorted by cache id
-        # as the replicas' fusion expects.
-        lengths, ready = self.seg.agree(len(payload), list(self.bit_pending), nbits)
         aborts = [item[1] for items_r in per_rank for item in items_r if item[0] == "a"]
         if aborts:  # every rank fails every op in flight, and the next epoch starts clean
             self.bit_pending.clear()
