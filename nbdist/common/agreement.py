@@ -169,9 +169,10 @@ class ShmAgreement:
         # The AND of the bits comes back as a subset of this rank's own, sorted by cache id
         # as the replicas' fusion expects.
         lengths, ready = self.seg.agree(len(payload), list(self.bit_pending), nbits)
-        per_rank: list[list] = [[] for _ in range(size)]
-        if any(lengths):
+        units: list[list] = []
+        if any(lengths):  # some rank sent items: new or changed ops, aborts, timeouts
             self.stats["item_cycles"] += 1
+            per_rank: list[list] = [[] for _ in range(size)]
             recv = np.empty(sum(lengths), np.uint8)
             self.seg.allgatherv(np.frombuffer(payload, np.uint8), recv, lengths)
             offset = 0
@@ -179,34 +180,36 @@ class ShmAgreement:
                 if n:
                     per_rank[r] = pickle.loads(recv[offset:offset + n])  # type: ignore[arg-type]
                 offset += n
-        aborts = [item[1] for items_r in per_rank for item in items_r if item[0] == "a"]
-        if aborts:  # every rank fails every op in flight, and the next epoch starts clean
-            self.bit_pending.clear()
-            self.native.publish_queued(0)
-            eng._on_abort(coord.abort(), aborts[0])
-            return
-        units: list[list] = []
-        for r, items_r in enumerate(per_rank):
-            for item in items_r:
-                tag = item[0]
-                if tag == "r":
-                    units += [[resp] for resp in coord.add(r, item[1])]
-                elif tag == "t":
-                    units += [[resp] for resp in coord.fail_stalled(item[1], item[2])]
-        if coord.has_ready():
+            aborts = [item[1] for items_r in per_rank for item in items_r if item[0] == "a"]
+            if aborts:  # every rank fails every op in flight, and the next epoch starts clean
+                self.bit_pending.clear()
+                self.native.publish_queued(0)
+                eng._on_abort(coord.abort(), aborts[0])
+                return
+            for r, items_r in enumerate(per_rank):
+                for item in items_r:
+                    tag = item[0]
+                    if tag == "r":
+                        units += [[resp] for resp in coord.add(r, item[1])]
+                    elif tag == "t":
+                        units += [[resp] for resp in coord.fail_stalled(item[1], item[2])]
+        if coord.ready:
             by_id = coord.cache_by_id
             units += [[by_id[e].response if e.__class__ is int else e for e in unit]
                       for unit in coord.take_units()]
         if ready:
             by_id = coord.cache_by_id
+            bit_pending = self.bit_pending
             for cid in ready:
-                del self.bit_pending[cid]
+                del bit_pending[cid]
             # Before running them: a peer that finishes first and submits its next op must
             # not take this rank's consumed bits for queued ones (an empty cycle).
-            self.native.publish_queued(len(self.bit_pending))
+            self.native.publish_queued(len(bit_pending))
             units += [[by_id[c].response for c in unit] for unit in coord._fuse(ready)]
+        if not units:
+            return
         local = eng._local
-        if units and timeline.active() is not None:  # agreed: QUEUE from here
+        if timeline.active() is not None:  # agreed: QUEUE from here
             timeline.cycle()
             for unit in units:
                 for resp in unit:

@@ -179,13 +179,12 @@ class Executor:
         if first.device != "cpu":
             self._device_op(unit, reqs)
             return
-        dtype = numpy_dtype(first.dtype)
         transport = self.choose(first.device, ALLREDUCE)
         op = self._transport_op(first.op)
         outputs = []
         for resp, req in zip(unit, reqs):
             if req is None:  # joined: contribute zeros of the agreed shape
-                outputs.append(np.zeros(resp.shapes[0], dtype))
+                outputs.append(np.zeros(resp.shapes[0], numpy_dtype(first.dtype)))
             elif req.inplace:
                 outputs.append(req.array)
             else:
@@ -197,15 +196,17 @@ class Executor:
                 np.copyto(buf, req.array)
             flat = buf.reshape(-1)
             self._scale(flat, first.prescale)
-            phase = self._transport_phase(transport, ALLREDUCE)
-            traced = self._traced(ALLREDUCE, reqs, phase)
-            transport.allreduce(flat, op)
-            if traced:
+            if timeline.active() is None:
+                transport.allreduce(flat, op)
+            else:
+                phase = self._transport_phase(transport, ALLREDUCE)
+                traced = self._traced(ALLREDUCE, reqs, phase)
+                transport.allreduce(flat, op)
                 timeline.phase_end(ALLREDUCE, traced, phase)
             self._finish_reduction(flat, first)
         else:
             total = sum(o.size for o in outputs)
-            fused = self._fusion_buffer(dtype, total)
+            fused = self._fusion_buffer(numpy_dtype(first.dtype), total)
             traced = self._traced(ALLREDUCE, reqs, "MEMCPY_IN_FUSION_BUFFER")
             offset = 0
             for out, req in zip(outputs, reqs):

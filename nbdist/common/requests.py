@@ -15,38 +15,65 @@ ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER, JOIN = (
     "allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "barrier", "join")
 
 
-class Handle:
-    """An in-flight op: poll it, or wait for its result (see ops.synchronize)."""
+_WAITERS = threading.Lock()  # makes a handle's Event, once, for a thread that must sleep
 
-    __slots__ = ("name", "_event", "_result", "_error", "engine")
+
+class Handle:
+    """An in-flight op: poll it, or wait for its result (see ops.synchronize).
+
+    Completion is a flag; the Event a sleeping waiter needs is made only when one does.
+    Most synchronous ops complete in the thread that waits for them (Engine.drive), so
+    the Event (a Condition and two locks, made and set once per op) is rarely needed.
+    """
+
+    __slots__ = ("name", "_done", "_event", "_result", "_error", "engine")
 
     def __init__(self, name: str):
         self.name = name
-        self._event = threading.Event()
+        self._done = False
+        self._event: threading.Event | None = None
         self._result: Any = None
         self._error: BaseException | None = None
         self.engine: Any = None  # set by Engine.submit: the engine that runs the op
 
     def done(self) -> bool:
         """True once the op finished (successfully or not)."""
-        return self._event.is_set()
+        return self._done
 
     def drive(self) -> None:
         """About to wait: let the waiting thread run the engine's agreement (Engine.drive)."""
-        if self.engine is not None and not self._event.is_set():
+        if self.engine is not None and not self._done:
             self.engine.drive(self)
+
+    def _finish(self) -> None:
+        # The flag first: a waiter that makes its Event after this read sees the flag
+        # when it looks again under _WAITERS; one that made it before is woken here.
+        self._done = True
+        event = self._event
+        if event is not None:
+            event.set()
 
     def set_result(self, result: Any) -> None:
         self._result = result
-        self._event.set()
+        self._finish()
 
     def set_error(self, error: BaseException) -> None:
-        if not self._event.is_set():
+        if not self._done:
             self._error = error
-            self._event.set()
+            self._finish()
 
     def wait(self, timeout: float | None) -> bool:
-        return self._event.wait(timeout)
+        if self._done:
+            return True
+        event = self._event
+        if event is None:
+            with _WAITERS:
+                if self._event is None:
+                    self._event = threading.Event()
+                event = self._event
+            if self._done:
+                return True
+        return event.wait(timeout)
 
     def result(self) -> Any:
         """The op's result; raises the op's error. Call only when done()."""
