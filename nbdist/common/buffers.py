@@ -14,6 +14,7 @@ aliases another live array, and the caller owns it as it owns np.empty's.
 """
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 
@@ -49,7 +50,7 @@ def empty(shape, dtype) -> np.ndarray:
     """An uninitialised C-contiguous array, as np.empty(shape, dtype), from the pool when large."""
     dtype = np.dtype(dtype)
     shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize  # Python ints: no overflow
     if nbytes < POOL_MIN_BYTES or dtype.hasobject:
         return np.empty(shape, dtype)
     with _lock:

@@ -6,6 +6,7 @@ takes part with zeros (allreduce) or no rows (allgather), as Horovod does.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import numpy as np
@@ -236,7 +237,7 @@ class Executor:
     def _allgather(self, resp: Response, req: Request | None) -> None:
         dtype = numpy_dtype(resp.dtype)
         inner = resp.shapes[0]
-        row = int(np.prod(inner)) if inner else 1
+        row = math.prod(inner)
         rows = resp.first_dims[0]
         recv = buffers.empty((sum(rows),) + tuple(inner), dtype)
         send = req.array if req is not None else np.empty((0,) + tuple(inner), dtype)
@@ -274,7 +275,7 @@ class Executor:
     def _alltoall(self, resp: Response, req: Request) -> None:
         dtype = numpy_dtype(resp.dtype)
         inner = tuple(resp.shapes[0])
-        row = int(np.prod(inner)) if inner else 1
+        row = math.prod(inner)
         send_rows = resp.splits[self.rank]
         recv_rows = [resp.splits[src][self.rank] for src in range(self.size)]
         recv = buffers.empty((sum(recv_rows),) + inner, dtype)
@@ -290,7 +291,7 @@ class Executor:
     def _reducescatter(self, resp: Response, req: Request) -> None:
         shape = resp.shapes[0]
         inner = tuple(shape[1:])
-        row = int(np.prod(inner)) if inner else 1
+        row = math.prod(inner)
         counts = reducescatter_counts(shape[0] if shape else 0, self.size)
         send = req.array.copy().reshape(-1)
         self._scale(send, resp.prescale)

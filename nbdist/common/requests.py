@@ -1,6 +1,7 @@
 """What a rank submits (Request), what it waits on (Handle), and the agreed answer (Response)."""
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -176,7 +177,7 @@ class Response:
     def nbytes(self) -> int:
         """Bytes of an allreduce's data, to bound fusion."""
         item = numpy_dtype(self.dtype).itemsize if self.dtype else 0
-        return sum(int(np.prod(s)) for s in self.shapes) * item
+        return sum(math.prod(s) for s in self.shapes) * item
 
 
 ERROR_CLASSES = {
