@@ -8,6 +8,11 @@ both submitted and waited could block the only thread before this rank submitted
 op a peer is waiting for. With the split every submit is cheap, and each new submit in
 a graph carries a control dependency on the previous one, so a rank submits in the
 order the program traced, and the waits may finish in any order.
+
+A TF1 graph (Session.run) runs only what its fetches need, so its submits cannot be
+chained, and its waits are an asynchronous op of our own (native/tf_ops.cpp, loaded by
+_wait_op) that holds no inter-op thread while it waits and fails with the TF error type
+Horovod's op raises; where that library was not built the numpy_function wait is used.
 """
 from __future__ import annotations
 
@@ -19,6 +24,8 @@ import numpy as np
 import tensorflow as tf
 
 from nbdist.common import errors as _errors
+
+from . import _wait_op
 
 # A submit callable takes numpy arrays and returns a `wait` callable that blocks and
 # returns the list of result arrays.
@@ -116,6 +123,32 @@ def _take(handle) -> Callable[[], list]:
         return _pending.pop(int(handle))
 
 
+def _error_code(exc: BaseException) -> int:
+    """The TF error code of what a graph op raises for `exc` (as tf_error would convert it)."""
+    if isinstance(exc, tf.errors.OpError):
+        return exc.error_code
+    for ours, theirs in _TF_ERROR_OF:
+        if isinstance(exc, ours):
+            return _ERROR_CODES[theirs]
+    return tf.errors.UNKNOWN
+
+
+_ERROR_CODES = {tf.errors.FailedPreconditionError: tf.errors.FAILED_PRECONDITION,
+                tf.errors.DeadlineExceededError: tf.errors.DEADLINE_EXCEEDED,
+                tf.errors.AbortedError: tf.errors.ABORTED,
+                tf.errors.InvalidArgumentError: tf.errors.INVALID_ARGUMENT}
+
+
+def _wait_for(handle) -> list | tuple[int, str]:
+    """What the native wait op calls (on a thread of its own): the results, or the error
+    as (TF error code, message), so the graph raises the type Horovod's op would."""
+    try:
+        return _take(handle)()
+    except Exception as exc:
+        message = str(exc) if isinstance(exc, _CONVERTED) else f"{type(exc).__name__}: {exc}"
+        return _error_code(exc), message
+
+
 def run(submit: Submit, inputs: Sequence, out_dtypes: Sequence[tf.DType],
         out_shapes: Sequence, what: str) -> list:
     """Run one collective step on `inputs`; returns tensors of `out_dtypes` / `out_shapes`.
@@ -143,7 +176,10 @@ def run(submit: Submit, inputs: Sequence, out_dtypes: Sequence[tf.DType],
     # Plain Python on numpy arrays: keep autograph from rewriting these.
     @tf.autograph.experimental.do_not_convert
     def _submit(*arrays):
-        return _register(submit(*arrays))
+        wait = submit(*arrays)
+        # Results in the declared dtypes, C-ordered (what either wait op copies out).
+        return _register(lambda: [np.asarray(r, dtype=d.as_numpy_dtype, order="C")
+                                  for r, d in zip(wait(), out_dtypes)])
 
     @tf.autograph.experimental.do_not_convert
     def _wait_results(handle):
@@ -151,10 +187,7 @@ def run(submit: Submit, inputs: Sequence, out_dtypes: Sequence[tf.DType],
 
     @tf.autograph.experimental.do_not_convert
     def _wait(handle):
-        results = _wait_results(handle)
-        # numpy_function insists on the exact declared dtypes.
-        return [np.asarray(r, dtype=d.as_numpy_dtype, order="C")
-                for r, d in zip(results, out_dtypes)]
+        return _wait_results(handle)
 
     graph = tf.compat.v1.get_default_graph()
     # Chain the submits of a tf.function, which runs whole. A TF1 graph (Session.run) runs
@@ -168,6 +201,14 @@ def run(submit: Submit, inputs: Sequence, out_dtypes: Sequence[tf.DType],
                                    name="NbdistSubmit")
     if chained:
         setattr(graph, _LAST_SUBMIT, handle.op)
+    wait_op = None if chained or not out_dtypes else _wait_op.wait_op(_wait_for)
+    if wait_op is not None:
+        # A TF1 graph: the wait must not hold one of the Session's few inter-op threads
+        # while this rank has yet to submit what a peer waits for (native/tf_ops.cpp).
+        outputs = list(wait_op(handle, Tout=list(out_dtypes), name="NbdistWait"))
+        for tensor, shape in zip(outputs, out_shapes):
+            tensor.set_shape(shape)
+        return outputs
     if not out_dtypes:
         # Nothing comes back (e.g. a check): the wait still has to run for its error.
         @tf.autograph.experimental.do_not_convert

@@ -249,3 +249,41 @@ def test_broadcast_global_variables_in_a_tf1_graph():
             session.run(tf.compat.v1.global_variables_initializer())
             session.run(bcast)
             assert session.run(v).tolist() == [N - 1.0, 2.0 * (N - 1)]
+
+
+def _tf1_session():
+    # One inter-op thread: the case where a wait that held its thread would stop the rank.
+    return tf.compat.v1.Session(config=tf.compat.v1.ConfigProto(inter_op_parallelism_threads=1))
+
+
+def test_a_tf1_session_runs_many_collectives_in_any_order():
+    # One Session.run fetches several collectives, built in another order on odd ranks, so
+    # each rank's executor starts them in its own order. A wait must not hold the inter-op
+    # thread while this rank has yet to submit what its peer waits for (Horovod's kernels
+    # are asynchronous for this reason; so is nbdist's wait op).
+    count = 6
+    order = range(count) if R % 2 == 0 else reversed(range(count))
+    with tf.Graph().as_default():
+        built = {i: hvd.allreduce(tf.fill([3], float(R + i)), op=hvd.Sum, name=f"compat.tf1.{i}")
+                 for i in order}
+        gathered = hvd.allgather(tf.fill([R + 1, 2], R), name="compat.tf1.gather")
+        with _tf1_session() as session:
+            for _ in range(2):  # the second run goes through the response cache
+                values, rows = session.run(([built[i] for i in range(count)], gathered))
+                for i, value in enumerate(values):
+                    assert value.tolist() == [N * i + N * (N - 1) / 2] * 3
+                assert rows[:, 0].tolist() == [r for r in range(N) for _ in range(r + 1)]
+
+
+def test_a_tf1_graph_raises_horovods_error_types():
+    if N == 1:
+        pytest.skip("needs two ranks")
+    with tf.Graph().as_default():
+        x = tf.ones([3], dtype=tf.int32 if R % 2 == 0 else tf.float32)
+        y = hvd.allreduce(x, name="compat.tf1.mismatch")
+        with _tf1_session() as session:
+            # as Horovod's op: FailedPrecondition, not the UnknownError of a Python op
+            with pytest.raises(tf.errors.FailedPreconditionError, match="ranks disagree on dtype"):
+                session.run(y)
+            ok = hvd.allreduce(tf.ones([2]), op=hvd.Sum, name="compat.tf1.after")
+            assert session.run(ok).tolist() == [N, N]
