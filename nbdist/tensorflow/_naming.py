@@ -54,3 +54,17 @@ def default_name(kind: str, tensor, name: str | None) -> str | None:
 def derived(name: str | None, suffix: str) -> str | None:
     """A related op's name (e.g. the gradient of a named op); None stays None."""
     return None if name is None else f"{name}.{suffix}"
+
+
+def gradient(name: str | None, dy, suffix: str = "grad") -> str | None:
+    """The name of an op in the gradient of the op `name`, whose incoming gradient is `dy`.
+
+    In a graph, the same op's gradient can be built more than once (tf.gradients called
+    once per output, as Horovod's tests do) and all of them run in one Session.run; each
+    build is named after its incoming gradient tensor, whose graph name is unique and the
+    same on every rank. Eagerly a gradient runs at once: `name.suffix` is enough.
+    """
+    if name is None:
+        return None
+    dy_name = None if tf.executing_eagerly() else getattr(dy, "name", None)
+    return f"{name}.{suffix}" if not dy_name else clean(f"{name}.{suffix}.{dy_name}")

@@ -137,7 +137,7 @@ def _allreduce_dense(tensors, op, prescale, postscale, names, ps=None) -> list:
             dys = [tf.zeros_like(x) if dy is None else tf.convert_to_tensor(dy)
                    for x, dy in zip(xs, dys)]
             return _allreduce_dense(dys, op, prescale, postscale,
-                                    [_naming.derived(n, "grad") for n in names], ps)
+                                    [_naming.gradient(n, dy) for n, dy in zip(names, dys)], ps)
         return ys, grad
 
     out = reduce(*tensors)
@@ -223,10 +223,11 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=None):
         y = _raw_allgather([x], [op_name], ps)[0]
 
         def grad(dy):
-            dy = _allreduce_dense([tf.convert_to_tensor(dy)], Average, 1.0, 1.0,
-                                  [_naming.derived(op_name, "grad")], ps)[0]
+            dy = tf.convert_to_tensor(dy)
+            rows_name = _naming.gradient(op_name, dy, "grad.rows")
+            dy = _allreduce_dense([dy], Average, 1.0, 1.0, [_naming.gradient(op_name, dy)], ps)[0]
             rows = tf.reshape(tf.shape(x, out_type=tf.int64)[0], [1])
-            all_rows = _raw_allgather([rows], [_naming.derived(op_name, "grad.rows")], ps)[0]
+            all_rows = _raw_allgather([rows], [rows_name], ps)[0]
             return tf.split(dy, all_rows, num=_ps.size_of(ps), axis=0)[_ps.rank_in(ps)]
         return y, grad
 
@@ -244,8 +245,9 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set
         y = _raw_broadcast([x], root_rank, [op_name], ps)[0]
 
         def grad(dy):
-            reduced = _allreduce_dense([tf.convert_to_tensor(dy)], Average, 1.0, 1.0,
-                                       [_naming.derived(op_name, "grad")], ps)[0]
+            dy = tf.convert_to_tensor(dy)
+            reduced = _allreduce_dense([dy], Average, 1.0, 1.0,
+                                       [_naming.gradient(op_name, dy)], ps)[0]
             if _c.rank() == root_rank:
                 return reduced
             # zeros_like alone would not run the allreduce in a graph (its shape is
@@ -273,7 +275,7 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
 
         def grad(dy, _dsplits=None):
             dy = tf.convert_to_tensor(dy)
-            back, _ = _raw_alltoall(dy, received, _naming.derived(op_name, "grad"), ps)
+            back, _ = _raw_alltoall(dy, received, _naming.gradient(op_name, dy), ps)
             return back
         return (out, received), grad
 
@@ -299,7 +301,7 @@ def reducescatter(tensor, op=None, name=None, ignore_name_scope=False, process_s
             scale = _ops.reducescatter_grad_scale(op, prescale_factor, postscale_factor, ps)
             if scale != 1.0:
                 dy = dy * tf.cast(scale, dy.dtype)
-            return _raw_allgather([dy], [_naming.derived(op_name, "grad")], ps)[0]
+            return _raw_allgather([dy], [_naming.gradient(op_name, dy)], ps)[0]
         return y, grad
 
     return scatter(tensor)
@@ -336,10 +338,11 @@ def grouped_allgather(tensors, name=None, process_set=None):
 
         def grad(*dys):
             dys = [tf.convert_to_tensor(dy) for dy in dys]
+            rows_names = [_naming.gradient(n, dy, "grad.rows") for n, dy in zip(names, dys)]
             averaged = _allreduce_dense(dys, Average, 1.0, 1.0,
-                                        [_naming.derived(n, "grad") for n in names], ps)
+                                        [_naming.gradient(n, dy) for n, dy in zip(names, dys)], ps)
             rows = [tf.reshape(tf.shape(x, out_type=tf.int64)[0], [1]) for x in xs]
-            all_rows = _raw_allgather(rows, [_naming.derived(n, "grad.rows") for n in names], ps)
+            all_rows = _raw_allgather(rows, rows_names, ps)
             return [tf.split(dy, r, num=_ps.size_of(ps), axis=0)[_ps.rank_in(ps)]
                     for dy, r in zip(averaged, all_rows)]
         return ys, grad
@@ -385,9 +388,10 @@ def grouped_reducescatter(tensors, op=None, name=None, process_set=None, prescal
             _check_grad_op(op, "grouped_reducescatter")
             scale = _ops.reducescatter_grad_scale(op, prescale_factor, postscale_factor, ps)
             dys = [tf.convert_to_tensor(dy) for dy in dys]
+            names_of_grads = [_naming.gradient(n, dy) for n, dy in zip(names, dys)]
             if scale != 1.0:
                 dys = [dy * tf.cast(scale, dy.dtype) for dy in dys]
-            return _raw_allgather(dys, [_naming.derived(n, "grad") for n in names], ps)
+            return _raw_allgather(dys, names_of_grads, ps)
         return ys, grad
 
     out = scatter(*tensors)

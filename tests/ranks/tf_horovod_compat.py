@@ -287,3 +287,21 @@ def test_a_tf1_graph_raises_horovods_error_types():
                 session.run(y)
             ok = hvd.allreduce(tf.ones([2]), op=hvd.Sum, name="compat.tf1.after")
             assert session.run(ok).tolist() == [N, N]
+
+
+def test_a_tf1_graph_builds_a_grouped_gradient_once_per_output():
+    # tf.gradients once per output builds the grouped op's gradient several times, and one
+    # Session.run runs them all: each build needs names of its own (from its incoming
+    # gradient, unique in the graph), not "<op>.0.grad" submitted twice while in flight.
+    with tf.Graph().as_default():
+        xs = [tf.ones([R + 1, 2]) * R for _ in range(3)]
+        gathered = hvd.grouped_allgather(xs)
+        scattered = hvd.grouped_reducescatter([tf.ones([N, 2]) * (R + 1) for _ in range(3)],
+                                              op=hvd.Sum)
+        grads = [tf.gradients(y, x, tf.ones_like(y))[0] for y, x in zip(gathered, xs)]
+        with _tf1_session() as session:
+            out, scat = session.run((grads, scattered))
+    for g in out:  # the allgather's gradient: this rank's rows of the averaged ones
+        assert g.tolist() == [[1.0, 1.0]] * (R + 1)
+    for s in scat:
+        assert s.tolist() == [[N * (N + 1) / 2] * 2]
