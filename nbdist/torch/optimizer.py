@@ -70,6 +70,10 @@ class _DistributedMixin:
         if self.backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
         self.op = op
+        # Adasum combines each rank's own parameter update, not its gradient (Horovod's
+        # _DistributedAdasumOptimizer): see _submit_adasum.
+        self._adasum = op == Adasum
+        self._starts: dict = {}  # Adasum: each parameter's value before this step's update
         self.gradient_predivide_factor = gradient_predivide_factor
         self._prescale, self._postscale = _c.ops.predivide_factors(
             op, gradient_predivide_factor, "DistributedOptimizer")
@@ -192,6 +196,9 @@ class _DistributedMixin:
             self._delay[p] -= 1
             if self._delay[p] > 0:
                 return
+            if self._adasum:
+                self._submit_adasum(p)
+                return
             bucket = self._bucket_of.get(p)
             if bucket is not None and not self._layout_current():
                 bucket = None
@@ -237,6 +244,58 @@ class _DistributedMixin:
                                   prescale_factor=self._prescale, postscale_factor=self._postscale,
                                   process_set=self._process_set)
         self._handles[p] = (handle, (compressed, ctx))
+
+    def _submit_adasum(self, p) -> None:
+        """Horovod's Adasum optimizer: this rank's own update of p, combined by Adasum.
+
+        The wrapped optimizer steps p alone on this rank's gradient (its momentum or Adam
+        state stays this rank's own); p then holds the update (new - start), which is
+        Adasum-reduced in place; step() sets p = start + the combined update. For plain SGD
+        this equals Adasum of the gradients; with momentum or Adam it does not.
+        """
+        self._dense_grad(p)  # a rank that did not use p steps on zeros, as the others wait
+        start = self._starts.get(p)
+        if start is None:
+            start = self._starts[p] = torch.empty_like(p, requires_grad=False)
+        stashed = [group["params"] for group in self.param_groups]
+        with torch.no_grad():
+            start.copy_(p)
+            try:
+                for group in self.param_groups:
+                    group["params"] = [p] if any(q is p for q in group["params"]) else []
+                super().step()  # the wrapped optimizer's own step, on p only
+            finally:
+                for group, params in zip(self.param_groups, stashed):
+                    group["params"] = params
+            p.sub_(start)
+        compressed, ctx = self._compression.compress(p.data)
+        handle = allreduce_async_(compressed, name=self._parameter_names[p], op=Adasum,
+                                  process_set=self._process_set)
+        self._handles[p] = (handle, (compressed, ctx))
+
+    def _apply_adasum(self) -> None:
+        """step() with op=Adasum: wait for every parameter's combined update and apply it."""
+        for p in self._params:
+            if p not in self._handles:  # its hook did not fire: step it now (zeros if unused)
+                self._submit_adasum(p)
+        handles, self._handles = self._handles, {}
+        error = None
+        for p, (handle, (compressed, ctx)) in handles.items():
+            start = self._starts[p]
+            try:
+                synchronize(handle)
+                with torch.no_grad():
+                    start.add_(self._compression.decompress(compressed, ctx).to(start.dtype))
+            except BaseException as exc:  # noqa: BLE001 - re-raised below
+                error = error or exc
+            with torch.no_grad():
+                p.copy_(start)  # after a failure: the value before the step, not the update
+        self._reset_accumulation()
+        densified, self._densified = self._densified, set()
+        for p in densified:
+            p.grad = p.grad.to_sparse()
+        if error is not None:
+            raise error
 
     def _submit_group(self, group: tuple) -> None:
         grads = [self._dense_grad(p) for p in group]
@@ -340,8 +399,12 @@ class _DistributedMixin:
             p.grad.copy_(self._compression.decompress(compressed, ctx))
 
     def synchronize(self) -> None:
-        """Wait for every gradient's allreduce; afterwards p.grad holds the averaged gradients."""
-        if not self._active:
+        """Wait for every gradient's allreduce; afterwards p.grad holds the averaged gradients.
+
+        With op=Adasum there is nothing to wait for here, as in Horovod: step() applies the
+        combined updates.
+        """
+        if not self._active or self._adasum:
             self._synchronized = True
             return
         self._layout_current()
@@ -404,6 +467,9 @@ class _DistributedMixin:
             loss.backward(); optimizer.synchronize(); clip_grad_norm_(...)
             with optimizer.skip_synchronize(): optimizer.step()
         """
+        if self._adasum:
+            raise AssertionError("Skipping synchronization is not supported when using the "
+                                 "Adasum optimizer (it combines updates, not gradients).")
         self._should_synchronize = False
         try:
             yield
@@ -418,6 +484,12 @@ class _DistributedMixin:
     # ----------------------------------------------------------- the optimizer interface
 
     def step(self, closure=None):
+        if self._adasum and self._active:
+            # The updates were computed in the hooks; combine and apply them (Horovod).
+            loss = closure() if closure is not None else None
+            self._apply_adasum()
+            self._synchronized = False
+            return loss
         if closure is not None and self._active:
             # The closure runs backward itself (LBFGS calls it several times): average the
             # gradients after each call, before the optimizer looks at them.
@@ -491,9 +563,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          process_set=global_process_set, bucket_bytes=None):
     """Wrap a torch.optim optimizer so that step() uses gradients averaged over all ranks.
 
-    Horovod's signature and behaviour. `op=Adasum` combines the ranks' gradients with
-    Adasum (CPU, power-of-2 ranks; see nbdist/common/adasum.py); Horovod applies Adasum
-    to each rank's parameter update instead, the same for plain SGD. `groups` (an int, or
+    Horovod's signature and behaviour. `op=Adasum` combines each rank's own parameter
+    update (the wrapped optimizer's step on its local gradient) with Adasum, as Horovod's
+    Adasum optimizer does (CPU, power-of-2 ranks; see nbdist/common/adasum.py); `groups`
+    and buckets do not apply to it. `groups` (an int, or
     a list of lists of parameters) allreduces each group as one fused op. `bucket_bytes`
     (an nbdist extension, as DDP's bucket_cap_mb; default NBDIST_BUCKET_BYTES, 25 MiB)
     caps the buckets the other gradients are reduced in; 0 reduces each on its own.

@@ -85,3 +85,43 @@ def test_torch_optimizer_with_adasum():
     opt.step()
     want = reference(grads).reshape(1, 4)
     np.testing.assert_allclose((before - model.weight.detach()).numpy(), want, rtol=1e-6)
+
+
+def test_torch_optimizer_with_adasum_combines_each_ranks_update():
+    # Horovod's Adasum optimizer: every rank steps the wrapped optimizer on its own
+    # gradient, and the ranks' *updates* are combined by Adasum. With Adam that is not
+    # Adam on the Adasum of the gradients (Adam's first step is ~ -lr * sign(g)).
+    torch = pytest.importorskip("torch")
+    import nbdist.torch as thvd
+
+    model = torch.nn.Linear(3, 2)
+    torch.nn.init.constant_(model.weight, 0.5)
+    torch.nn.init.constant_(model.bias, -0.25)
+    opt = thvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.1),
+                                    named_parameters=model.named_parameters(), op=thvd.Adasum)
+    before = [p.detach().clone() for p in model.parameters()]
+    x = torch.arange(3.0).reshape(1, 3) * (hvd.rank() + 1) - hvd.rank()
+    (model(x) ** 2).sum().backward()
+    grads = hvd.allgather_object([p.grad.detach().clone() for p in model.parameters()])
+    opt.step()
+
+    def local_update(rank_grads):  # one Adam step from `before` on one rank's gradients
+        params = [b.clone().requires_grad_() for b in before]
+        adam = torch.optim.Adam(params, lr=0.1)
+        for q, g in zip(params, rank_grads):
+            q.grad = g.clone()
+        adam.step()
+        return [(q.detach() - b).numpy() for q, b in zip(params, before)]
+
+    updates = [local_update(g) for g in grads]
+    for i, p in enumerate(model.parameters()):
+        want = before[i].numpy() + reference([u[i] for u in updates]).reshape(p.shape)
+        np.testing.assert_allclose(p.detach().numpy(), want, rtol=1e-5, atol=1e-6)
+    # and it is not Adam applied to the Adasum of the gradients
+    combined = [torch.from_numpy(reference([g[i].numpy() for g in grads]).reshape(b.shape))
+                .float() for i, b in enumerate(before)]
+    other = local_update(combined)
+    assert not np.allclose(model.weight.detach().numpy(), before[0].numpy() + other[0])
+    with pytest.raises(AssertionError, match="Adasum"):
+        with opt.skip_synchronize():
+            pass
