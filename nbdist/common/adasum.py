@@ -16,10 +16,16 @@ halves the vector at each level).
 """
 from __future__ import annotations
 
+import math
+import sys
+
 import numpy as np
 
-# Horovod skips the correction for a (near) zero vector rather than divide by ~0.
-_NORM_FLOOR = 1e-8
+# Horovod skips the correction only for a vector whose squared norm is below
+# sqrt(DBL_MIN) (~1.5e-154), where the division would lose all precision. A larger floor
+# would treat small but real gradients (norm < 1e-4 for a floor of 1e-8) as zero and sum
+# them instead of combining them.
+_NORM_FLOOR = math.sqrt(sys.float_info.min)
 
 
 def is_power_of_two(n: int) -> bool:

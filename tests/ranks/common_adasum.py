@@ -125,3 +125,15 @@ def test_torch_optimizer_with_adasum_combines_each_ranks_update():
     with pytest.raises(AssertionError, match="Adasum"):
         with opt.skip_synchronize():
             pass
+
+
+def test_tiny_parallel_vectors_still_average():
+    # Horovod's stability case: parallel vectors of magnitude near float32's smallest
+    # normal. Their squared norms (~1e-76 in float64) are tiny but not zero, so Adasum
+    # must still average them, not fall back to a sum.
+    base = np.linspace(-1.0, 1.0, 64) * np.finfo(np.float32).tiny * 4
+    scale = [1.0, 2.0, 3.0, 4.0][hvd.rank() % 4]
+    got = hvd.allreduce(base.astype(np.float32) * np.float32(scale), op=hvd.Adasum,
+                        name="adasum.tiny")
+    want = reference(every_rank(lambda r: base * [1.0, 2.0, 3.0, 4.0][r % 4]))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
