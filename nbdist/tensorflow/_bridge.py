@@ -185,10 +185,6 @@ def run(submit: Submit, inputs: Sequence, out_dtypes: Sequence[tf.DType],
     def _wait_results(handle):
         return _take(handle)()
 
-    @tf.autograph.experimental.do_not_convert
-    def _wait(handle):
-        return _wait_results(handle)
-
     graph = tf.compat.v1.get_default_graph()
     # Chain the submits of a tf.function, which runs whole. A TF1 graph (Session.run) runs
     # only what a fetch needs: a chain would re-run earlier steps' submits with no wait
@@ -205,11 +201,8 @@ def run(submit: Submit, inputs: Sequence, out_dtypes: Sequence[tf.DType],
     if wait_op is not None:
         # A TF1 graph: the wait must not hold one of the Session's few inter-op threads
         # while this rank has yet to submit what a peer waits for (native/tf_ops.cpp).
-        outputs = list(wait_op(handle, Tout=list(out_dtypes), name="NbdistWait"))
-        for tensor, shape in zip(outputs, out_shapes):
-            tensor.set_shape(shape)
-        return outputs
-    if not out_dtypes:
+        outputs = wait_op(handle, Tout=list(out_dtypes), name="NbdistWait")
+    elif not out_dtypes:
         # Nothing comes back (e.g. a check): the wait still has to run for its error.
         @tf.autograph.experimental.do_not_convert
         def _wait_only(h):
@@ -219,11 +212,10 @@ def run(submit: Submit, inputs: Sequence, out_dtypes: Sequence[tf.DType],
         done = tf.numpy_function(_wait_only, [handle], tf.int64, stateful=True,
                                  name="NbdistWait")
         return [done]
-    outputs = tf.numpy_function(_wait, [handle], list(out_dtypes), stateful=True,
-                                name="NbdistWait")
-    if not isinstance(outputs, (list, tuple)):
-        outputs = [outputs]
-    outputs = list(outputs)
+    else:
+        outputs = tf.numpy_function(_wait_results, [handle], list(out_dtypes), stateful=True,
+                                    name="NbdistWait")
+    outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
     for tensor, shape in zip(outputs, out_shapes):
         tensor.set_shape(shape)
     return outputs
