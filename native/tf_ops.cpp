@@ -10,7 +10,7 @@
 // the op's outputs and calls done(). Horovod's kernels are asynchronous for the same
 // reason.
 //
-// The waiter is registered from Python (nbdist/tensorflow/_async_wait.py) and returns
+// The waiter is registered from Python (nbdist/tensorflow/_wait_op.py) and returns
 // either the list of result arrays, or (TF error code, message) for a failed op, so the
 // graph raises the error type Horovod's ops raise (FailedPrecondition for a mismatch,
 // InvalidArgument for bad input), not UnknownError.

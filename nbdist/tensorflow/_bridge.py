@@ -133,10 +133,8 @@ def _error_code(exc: BaseException) -> int:
     return tf.errors.UNKNOWN
 
 
-_ERROR_CODES = {tf.errors.FailedPreconditionError: tf.errors.FAILED_PRECONDITION,
-                tf.errors.DeadlineExceededError: tf.errors.DEADLINE_EXCEEDED,
-                tf.errors.AbortedError: tf.errors.ABORTED,
-                tf.errors.InvalidArgumentError: tf.errors.INVALID_ARGUMENT}
+# Each TF class's code, from TensorFlow itself (not a second table beside _TF_ERROR_OF).
+_ERROR_CODES = {theirs: theirs(None, None, "").error_code for _, theirs in _TF_ERROR_OF}
 
 
 def _wait_for(handle) -> list | tuple[int, str]:

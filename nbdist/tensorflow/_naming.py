@@ -67,4 +67,4 @@ def gradient(name: str | None, dy, suffix: str = "grad") -> str | None:
     if name is None:
         return None
     dy_name = None if tf.executing_eagerly() else getattr(dy, "name", None)
-    return f"{name}.{suffix}" if not dy_name else clean(f"{name}.{suffix}.{dy_name}")
+    return derived(name, suffix) if not dy_name else clean(f"{name}.{suffix}.{dy_name}")

@@ -290,12 +290,7 @@ class _DistributedMixin:
                 error = error or exc
             with torch.no_grad():
                 p.copy_(start)  # after a failure: the value before the step, not the update
-        self._reset_accumulation()
-        densified, self._densified = self._densified, set()
-        for p in densified:
-            p.grad = p.grad.to_sparse()
-        if error is not None:
-            raise error
+        self._end_reduction(error)
 
     def _submit_group(self, group: tuple) -> None:
         grads = [self._dense_grad(p) for p in group]
@@ -437,16 +432,20 @@ class _DistributedMixin:
                         self._write_back(key, *ctx)
             except BaseException as exc:  # noqa: BLE001 - re-raised below
                 error = error or exc
-        self._reset_accumulation()
-        densified, self._densified = self._densified, set()
-        if error is None:
-            for p in densified:
-                p.grad = p.grad.to_sparse()
-        if error is not None:
-            raise error
+        self._end_reduction(error)
         if self._hook_order is not None:
             self._build_buckets()
         self._synchronized = True
+
+    def _end_reduction(self, error: BaseException | None) -> None:
+        """After a step's reductions: start counting passes again, hand the gradients
+        reduced dense (sparse_as_dense) back sparse, and raise the first error."""
+        self._reset_accumulation()
+        densified, self._densified = self._densified, set()
+        if error is not None:
+            raise error
+        for p in densified:
+            p.grad = p.grad.to_sparse()
 
     def _reset_accumulation(self) -> None:
         for p in self._delay:
