@@ -57,6 +57,21 @@ ReduceFn reduce_kernel(int dtype, int op) {
   return table().fn[dtype][op];
 }
 
+bool scale_in_place(void* buf, size_t count, int dtype, double factor) {
+  if (dtype == kF32) {
+    float* p = static_cast<float*>(buf);
+    const float f = static_cast<float>(factor);  // rounded once, as numpy's float32(factor)
+    for (size_t i = 0; i < count; ++i) p[i] *= f;
+    return true;
+  }
+  if (dtype == kF64) {
+    double* p = static_cast<double*>(buf);
+    for (size_t i = 0; i < count; ++i) p[i] *= factor;
+    return true;
+  }
+  return false;
+}
+
 const char* kernel_isa() { return table().isa; }
 
 CopyFn stream_copy() { return table().copy; }

@@ -29,6 +29,11 @@ using ReduceFn = void (*)(void* dst, const void* const* srcs, int nsrc, size_t c
 // nullptr when the (dtype, op) pair is not supported.
 ReduceFn reduce_kernel(int dtype, int op);
 
+// buf[i] *= factor in the buffer's own type, as numpy's `buf *= dtype.type(factor)`:
+// float32 and float64 only (Horovod scales integers and 16-bit floats differently; the
+// Python side does those). False when the dtype is not one of the two.
+bool scale_in_place(void* buf, size_t count, int dtype, double factor);
+
 // Which compiled variant was selected ("avx2", "baseline").
 const char* kernel_isa();
 

@@ -25,6 +25,19 @@ namespace {
 
 void* ptr(uintptr_t address) { return reinterpret_cast<void*>(address); }
 
+// Scaling after a reduction is done here for float32 and float64 (Horovod multiplies those
+// in their own type); other dtypes come with factor 1 and are scaled by the Python side.
+void check_factor(int dtype, double factor) {
+  if (factor != 1.0 && dtype != nbdist::kF32 && dtype != nbdist::kF64)
+    throw py::value_error("allreduce_into: a factor other than 1 needs float32 or float64");
+}
+
+void reduce_scaled(ShmComm& c, uintptr_t src, uintptr_t dst, size_t count, int dtype, int op,
+                   double factor, WaitContext& ctx) {
+  c.allreduce(reinterpret_cast<const void*>(src), ptr(dst), count, dtype, op, ctx);
+  if (factor != 1.0) nbdist::scale_in_place(ptr(dst), count, dtype, factor);
+}
+
 // The Python side of a ShmComm: counts ops in flight, so that close() from
 // another thread never unmaps memory a running op still uses.
 class PyShm {
@@ -165,6 +178,78 @@ void bind_shm(py::module_& m) {
            },
            py::arg("buf"), py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("timeout_s") = 0.0,
            py::arg("should_stop") = py::none())
+      .def("allreduce_into",
+           [](PyShm& s, uintptr_t src, uintptr_t dst, size_t count, int dtype, int op, double factor,
+              double timeout_s, py::object stop) {
+             check_factor(dtype, factor);
+             s.run("allreduce", timeout_s, stop, [&](ShmComm& c, WaitContext& ctx) {
+               reduce_scaled(c, src, dst, count, dtype, op, factor, ctx);
+             });
+           },
+           py::arg("src"), py::arg("dst"), py::arg("count"), py::arg("dtype"), py::arg("op"),
+           py::arg("factor") = 1.0, py::arg("timeout_s") = 0.0, py::arg("should_stop") = py::none(),
+           "Allreduce `src` into `dst` (the same address for in place), then dst *= factor\n"
+           "(float32 and float64 only): one call, no copy of the input first.")
+      .def("allreduce_pieces",
+           [](PyShm& s, const std::vector<uintptr_t>& srcs, const std::vector<uintptr_t>& dsts,
+              const std::vector<size_t>& counts, int dtype, int op, double factor, double timeout_s,
+              py::object stop) {
+             if (srcs.size() != dsts.size() || srcs.size() != counts.size())
+               throw py::value_error("allreduce_pieces: srcs, dsts and counts differ in length");
+             check_factor(dtype, factor);
+             std::vector<ShmComm::Piece> pieces(srcs.size());
+             for (size_t i = 0; i < srcs.size(); ++i)
+               pieces[i] = {reinterpret_cast<const void*>(srcs[i]), ptr(dsts[i]), counts[i]};
+             s.run("allreduce", timeout_s, stop, [&](ShmComm& c, WaitContext& ctx) {
+               c.allreduce_pieces(pieces, dtype, op, ctx);
+               if (factor != 1.0)
+                 for (const auto& p : pieces) nbdist::scale_in_place(p.dst, p.count, dtype, factor);
+             });
+           },
+           py::arg("srcs"), py::arg("dsts"), py::arg("counts"), py::arg("dtype"), py::arg("op"),
+           py::arg("factor") = 1.0, py::arg("timeout_s") = 0.0, py::arg("should_stop") = py::none(),
+           "One allreduce over several buffers (a fused unit): srcs[i] reduced into dsts[i],\n"
+           "then each dst *= factor (float32 and float64 only).")
+      .def("agree_allreduce",
+           [](PyShm& s, int64_t bit, int64_t nbits, PyShm& data, uintptr_t src, uintptr_t dst,
+              size_t count, int dtype, int op, double factor, double timeout_s,
+              py::object stop) -> py::object {
+             // A whole agreement cycle for the commonest case (nbdist/common/agreement.py):
+             // this rank's only queued op is one cached allreduce. The vote is agree()'s; when
+             // it finds no rank with items and that op ready everywhere, every rank runs that
+             // one allreduce next (a rank with more queued ops finds the same unit in Python),
+             // so it runs here, with no return to Python between the vote and the bytes.
+             // Otherwise the vote's answer goes back, as agree() returns it.
+             const int n = s.comm().size();
+             if (bit < 0 || bit >= nbits) throw py::value_error("agree_allreduce: cache bit out of range");
+             check_factor(dtype, factor);
+             std::vector<int32_t> vec(static_cast<size_t>(n + nbits), 0);
+             vec[n + bit] = 1;
+             s.run("agreement", timeout_s, stop, [&](ShmComm& c, WaitContext& ctx) {
+               c.allreduce(vec.data(), vec.size(), nbdist::kI32, nbdist::kMin, ctx);
+             });
+             bool quiet = vec[n + bit] != 0;
+             for (int r = 0; r < n && quiet; ++r) quiet = vec[r] == 0;
+             if (!quiet) {
+               py::list lengths(n);
+               for (int r = 0; r < n; ++r) lengths[r] = -static_cast<int64_t>(vec[r]);
+               py::list ready;
+               if (vec[n + bit] != 0) ready.append(bit);
+               return py::make_tuple(lengths, ready);
+             }
+             // Consumed before the bytes move: a peer that finishes first and submits its
+             // next op must not count this rank's bit as still queued.
+             s.comm().publish_queued(0);
+             data.run("allreduce", timeout_s, stop, [&](ShmComm& c, WaitContext& ctx) {
+               reduce_scaled(c, src, dst, count, dtype, op, factor, ctx);
+             });
+             return py::none();
+           },
+           py::arg("bit"), py::arg("nbits"), py::arg("data"), py::arg("src"), py::arg("dst"),
+           py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("factor") = 1.0,
+           py::arg("timeout_s") = 0.0, py::arg("should_stop") = py::none(),
+           "An agreement cycle that runs this rank's one cached allreduce when every rank is\n"
+           "ready for it and none has items: None then; else agree()'s (lengths, ready).")
       .def("reduce",
            [](PyShm& s, uintptr_t buf, size_t count, int dtype, int op, int root, double timeout_s,
               py::object stop) {

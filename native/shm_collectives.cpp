@@ -69,15 +69,69 @@ void ShmComm::barrier(WaitContext& ctx) {
   wait_all(g, ctx);
 }
 
-void ShmComm::allreduce(void* buf, size_t count, int dtype, int op, WaitContext& ctx) {
+void ShmComm::allreduce(const void* src, void* dst, size_t count, int dtype, int op, WaitContext& ctx) {
   kernel_or_throw(dtype, op, ctx.what);
   check_not_aborted(ctx);
   const size_t bytes = count * dtype_size(dtype);
-  if (count == 0 || n_ == 1) return;
+  if (count == 0) return;
+  if (n_ == 1) {
+    if (src != dst) std::memcpy(dst, src, bytes);
+    return;
+  }
   if (bytes <= small_bytes_ && bytes <= slot_bytes_)
-    allreduce_small(static_cast<char*>(buf), bytes, count, dtype, op, ctx);
+    allreduce_small(static_cast<const char*>(src), static_cast<char*>(dst), bytes, count, dtype, op, ctx);
   else
-    reduce_chunked(static_cast<char*>(buf), count, dtype, op, -1, ctx);
+    reduce_chunked(static_cast<const char*>(src), static_cast<char*>(dst), count, dtype, op, -1, ctx);
+}
+
+void ShmComm::allreduce_pieces(const std::vector<Piece>& pieces, int dtype, int op, WaitContext& ctx) {
+  ReduceFn fn = kernel_or_throw(dtype, op, ctx.what);
+  check_not_aborted(ctx);
+  const size_t item = dtype_size(dtype);
+  size_t total = 0;
+  for (const Piece& p : pieces) total += p.count;
+  if (total == 0) return;
+  if (n_ == 1) {
+    for (const Piece& p : pieces)
+      if (p.src != p.dst && p.count) std::memcpy(p.dst, p.src, p.count * item);
+    return;
+  }
+  const size_t bytes = total * item;
+  if (bytes > small_bytes_ || bytes > slot_bytes_) {
+    if (fusion_.size() < bytes) fusion_.resize(bytes);
+    char* f = fusion_.data();
+    for (const Piece& p : pieces) {
+      std::memcpy(f, p.src, p.count * item);
+      f += p.count * item;
+    }
+    reduce_chunked(fusion_.data(), fusion_.data(), total, dtype, op, -1, ctx);
+    f = fusion_.data();
+    for (const Piece& p : pieces) {
+      std::memcpy(p.dst, f, p.count * item);
+      f += p.count * item;
+    }
+    return;
+  }
+  // As allreduce_small, with the pieces packed into the slot and reduced out of it.
+  int s = acquire_set(true, ctx);
+  char* slot = seg_.slot(s, rank_);
+  for (const Piece& p : pieces) {
+    std::memcpy(slot, p.src, p.count * item);
+    slot += p.count * item;
+  }
+  uint64_t copied = next_phase();
+  post(copied);
+  wait_all(copied, ctx);
+  std::vector<const void*> srcs(n_);
+  size_t off = 0;
+  for (const Piece& p : pieces) {
+    for (int q = 0; q < n_; ++q) srcs[q] = seg_.slot(s, q) + off;
+    if (p.count) fn(p.dst, srcs.data(), n_, p.count);
+    off += p.count * item;
+  }
+  uint64_t read = next_phase();
+  post(read);
+  release_set(s, read);
 }
 
 void ShmComm::reduce(void* buf, size_t count, int dtype, int op, int root, WaitContext& ctx) {
@@ -85,22 +139,22 @@ void ShmComm::reduce(void* buf, size_t count, int dtype, int op, int root, WaitC
   if (root < 0 || root >= n_) throw std::invalid_argument("shm reduce: root out of range");
   check_not_aborted(ctx);
   if (count == 0 || n_ == 1) return;
-  reduce_chunked(static_cast<char*>(buf), count, dtype, op, root, ctx);
+  reduce_chunked(static_cast<char*>(buf), static_cast<char*>(buf), count, dtype, op, root, ctx);
 }
 
 // Small buffers: one synchronisation. Everyone copies in, then everyone reduces
 // the whole buffer from all slots (in rank order, so all get the same bits).
-void ShmComm::allreduce_small(char* buf, size_t bytes, size_t count, int dtype, int op,
-                              WaitContext& ctx) {
+void ShmComm::allreduce_small(const char* src, char* dst, size_t bytes, size_t count, int dtype,
+                              int op, WaitContext& ctx) {
   ReduceFn fn = reduce_kernel(dtype, op);
   int s = acquire_set(true, ctx);
-  std::memcpy(seg_.slot(s, rank_), buf, bytes);
+  std::memcpy(seg_.slot(s, rank_), src, bytes);
   uint64_t copied = next_phase();
   post(copied);
   wait_all(copied, ctx);
   std::vector<const void*> srcs(n_);
   for (int p = 0; p < n_; ++p) srcs[p] = seg_.slot(s, p);
-  fn(buf, srcs.data(), n_, count);
+  fn(dst, srcs.data(), n_, count);
   uint64_t read = next_phase();
   post(read);
   release_set(s, read);
@@ -108,8 +162,11 @@ void ShmComm::allreduce_small(char* buf, size_t bytes, size_t count, int dtype, 
 
 // Large buffers: per chunk, copy in; each rank reduces its own slice (a
 // reduce-scatter); then the reduced slices are copied out (an allgather, or to
-// `root` only when root >= 0).
-void ShmComm::reduce_chunked(char* buf, size_t count, int dtype, int op, int root, WaitContext& ctx) {
+// `root` only when root >= 0). The input is read from `in` and the result written
+// to `buf` (the same buffer for an in-place op): an out-of-place allreduce costs no
+// copy of the input first.
+void ShmComm::reduce_chunked(const char* in, char* buf, size_t count, int dtype, int op, int root,
+                             WaitContext& ctx) {
   ReduceFn fn = reduce_kernel(dtype, op);
   const size_t item = dtype_size(dtype);
   const size_t chunk = slot_bytes_ / item;
@@ -122,7 +179,8 @@ void ShmComm::reduce_chunked(char* buf, size_t count, int dtype, int op, int roo
     const size_t c = std::min(chunk, count - off);
     const size_t slice = round_up((c + n_ - 1) / n_, line);
     const size_t lo = std::min(c, rank_ * slice), hi = std::min(c, lo + slice);
-    char* const src = buf + off * item;
+    const char* const src = in + off * item;
+    char* const out = buf + off * item;
     int s = acquire_set(true, ctx);
     char* const slot = seg_.slot(s, rank_);
     // Only the slices other ranks reduce go through shared memory; my own slice
@@ -135,10 +193,10 @@ void ShmComm::reduce_chunked(char* buf, size_t count, int dtype, int op, int roo
     if (hi > lo) {
       for (int p = 0; p < n_; ++p) srcs[p] = (p == rank_ ? src : seg_.slot(s, p)) + lo * item;
       if (root < 0) {
-        fn(src + lo * item, srcs.data(), n_, hi - lo);  // the result lands in my buffer...
-        std::memcpy(slot + lo * item, src + lo * item, (hi - lo) * item);  // ...and where others read it
+        fn(out + lo * item, srcs.data(), n_, hi - lo);  // the result lands in my buffer...
+        std::memcpy(slot + lo * item, out + lo * item, (hi - lo) * item);  // ...and where others read it
       } else if (root == rank_) {
-        fn(src + lo * item, srcs.data(), n_, hi - lo);
+        fn(out + lo * item, srcs.data(), n_, hi - lo);
       } else {
         fn(slot + lo * item, srcs.data(), n_, hi - lo);  // a non-root's buffer stays as it was
       }
@@ -149,7 +207,7 @@ void ShmComm::reduce_chunked(char* buf, size_t count, int dtype, int op, int roo
       wait_all(reduced, ctx);
       for (int q = 0; q < n_; ++q) {
         const size_t qlo = std::min(c, q * slice), qhi = std::min(c, qlo + slice);
-        if (q != rank_ && qhi > qlo) copy_out(src + qlo * item, seg_.slot(s, q) + qlo * item, (qhi - qlo) * item);
+        if (q != rank_ && qhi > qlo) copy_out(out + qlo * item, seg_.slot(s, q) + qlo * item, (qhi - qlo) * item);
       }
     }
     uint64_t read = next_phase();

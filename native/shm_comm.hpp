@@ -64,7 +64,21 @@ class ShmComm {
   void reset_local();
 
   // The collectives; pointers are host memory of `count` elements of `dtype`.
-  void allreduce(void* buf, size_t count, int dtype, int op, WaitContext& ctx);
+  void allreduce(void* buf, size_t count, int dtype, int op, WaitContext& ctx) {
+    allreduce(buf, buf, count, dtype, op, ctx);
+  }
+  // Out of place: reads `src` (which may be `dst`), writes the result to `dst` only.
+  void allreduce(const void* src, void* dst, size_t count, int dtype, int op, WaitContext& ctx);
+  // One allreduce over several buffers of one dtype (a fused unit of the engine): each
+  // piece's src is reduced into its dst. Pieces that fit a slot together are packed
+  // straight into it and reduced from it into each dst; bigger units go through a
+  // fusion buffer of this comm's own.
+  struct Piece {
+    const void* src;
+    void* dst;
+    size_t count;
+  };
+  void allreduce_pieces(const std::vector<Piece>& pieces, int dtype, int op, WaitContext& ctx);
   void reduce(void* buf, size_t count, int dtype, int op, int root, WaitContext& ctx);
   void broadcast(void* buf, size_t bytes, int root, WaitContext& ctx);
   void allgatherv(const void* send, void* recv, const std::vector<int64_t>& byte_counts,
@@ -135,8 +149,10 @@ class ShmComm {
                       WaitContext& ctx);
   void broadcast_cma(char* buf, size_t bytes, int root, WaitContext& ctx);
   void read_peer(int q, char* dst, uintptr_t src, size_t len, WaitContext& ctx);
-  void allreduce_small(char* buf, size_t bytes, size_t count, int dtype, int op, WaitContext& ctx);
-  void reduce_chunked(char* buf, size_t count, int dtype, int op, int root, WaitContext& ctx);
+  void allreduce_small(const char* src, char* dst, size_t bytes, size_t count, int dtype, int op,
+                       WaitContext& ctx);
+  void reduce_chunked(const char* in, char* buf, size_t count, int dtype, int op, int root,
+                      WaitContext& ctx);
 
   Segment seg_;
   Header* hdr_;
@@ -145,6 +161,7 @@ class ShmComm {
   uint64_t gen_ = 0;
   int next_set_ = 0;
   std::vector<uint64_t> free_phase_;
+  std::vector<char> fusion_;  // allreduce_pieces' buffer for units bigger than a slot
   uint64_t scratch_free_ = 0;  // phase after which every rank has read the scratch words
   int spin_iters_ = 2000;
   int yield_iters_ = 200;
@@ -155,7 +172,7 @@ class ShmComm {
   std::atomic<int> idle_sleeping_{0};  // wait_activity is (about to be) in FUTEX_WAIT
   std::atomic<int> held_{0};           // hold_activity(true): another thread watches peers
   std::atomic<uint32_t> held_word_{0};  // wait_activity's futex word while held (ring's)
-  uint64_t doorbell_seen_ = 0;         // the count wait_activity last returned on  // allreduces of at least this many bytes stream their output
+  uint64_t doorbell_seen_ = 0;         // the count wait_activity last returned on
 };
 
 }  // namespace nbdist

@@ -95,6 +95,44 @@ def test_allreduce_default_slots_float32(shm_default, n):
     same(buf, reference(n, np.float32, ReduceOp.Sum))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.int64, np.float16], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("n", [0, 1001, 70_001])  # small (one slot) and chunked
+def test_allreduce_into_leaves_the_input_alone(shm, dtype, n):
+    src = contribution(RANK, n, dtype, ReduceOp.Sum)
+    before = src.copy()
+    dst = np.full(n, 77, dtype)
+    shm.allreduce_into(src, dst, ReduceOp.Sum)
+    same(dst, reference(n, dtype, ReduceOp.Sum))
+    same(src, before)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=lambda d: np.dtype(d).name)
+def test_allreduce_into_scales_as_numpy_does(shm, dtype):
+    src = contribution(RANK, 70_001, dtype, ReduceOp.Sum)
+    factor = 1.0 / 3.0  # not exact in float32: must round to float32 once, as numpy does
+    want = reference(70_001, dtype, ReduceOp.Sum)
+    want *= np.dtype(dtype).type(factor)
+    shm.allreduce_into(src, src, ReduceOp.Sum, factor)
+    same(src, want)
+    with pytest.raises(ValueError, match="float32 or float64"):
+        shm.allreduce_into(np.ones(3, np.int32), np.ones(3, np.int32), ReduceOp.Sum, 0.5)
+
+
+@pytest.mark.parametrize("sizes", [[1, 0, 1001, 17], [30_000, 5, 40_000]],  # packed; via fusion
+                         ids=["packed", "fusion-buffer"])
+def test_allreduce_pieces_reduces_each_piece(shm, sizes):
+    srcs = [contribution(RANK, n, np.float32, ReduceOp.Sum) for n in sizes]
+    before = [s.copy() for s in srcs]
+    dsts = [np.empty(n, np.float32) for n in sizes]
+    dsts[1] = srcs[1]  # one piece in place
+    shm.allreduce_pieces(srcs, dsts, ReduceOp.Sum, 0.5)
+    for i, (n, dst) in enumerate(zip(sizes, dsts)):
+        want = reference(n, np.float32, ReduceOp.Sum) * np.float32(0.5)
+        same(dst, want)
+        if i != 1:
+            same(srcs[i], before[i])
+
+
 def test_allreduce_2d_and_bool_rejected(shm):
     buf = np.full((3, 5), RANK + 1, np.int32)
     shm.allreduce(buf, ReduceOp.Sum)

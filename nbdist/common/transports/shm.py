@@ -143,11 +143,12 @@ class ShmTransport(Transport):
             raise TransportError("; ".join(errors))
         return seg
 
-    def _call(self, method: str, *args) -> None:
+    def _call(self, method: str, *args):
+        """The native method's answer; its failures (aborts, timeouts, dead peers) as TransportError."""
         if self._native is None:
             raise TransportError(f"the shm transport on rank {self.global_rank} is closed")
         try:
-            getattr(self._native, method)(*args, self.timeout_s, self.should_stop)
+            return getattr(self._native, method)(*args, self.timeout_s, self.should_stop)
         except RuntimeError as exc:
             if isinstance(exc, TransportError):
                 raise
@@ -157,6 +158,36 @@ class ShmTransport(Transport):
     def allreduce(self, buf: np.ndarray, op) -> None:
         _contiguous(buf, "allreduce", writeable=True)
         self._call("allreduce", _address(buf), buf.size, dtype_code(buf.dtype), op_code(op))
+
+    def allreduce_into(self, src: np.ndarray, dst: np.ndarray, op, factor: float = 1.0) -> None:
+        """Reduce `src` into `dst` (the same array for in place), then dst *= factor.
+
+        One native call: no copy of the input into the output first, and the scaling of
+        float32/float64 results done there too (factor must be 1 for other dtypes).
+        """
+        _contiguous(src, "allreduce (input)")
+        _contiguous(dst, "allreduce (output)", writeable=True)
+        if src.size != dst.size or src.dtype != dst.dtype:
+            raise ValueError(f"allreduce input {src.dtype}[{src.size}] and output "
+                             f"{dst.dtype}[{dst.size}] differ on rank {self.global_rank}")
+        self._call("allreduce_into", _address(src), _address(dst), dst.size,
+                   dtype_code(dst.dtype), op_code(op), factor)
+
+    def allreduce_pieces(self, srcs: Sequence[np.ndarray], dsts: Sequence[np.ndarray], op,
+                         factor: float = 1.0) -> None:
+        """One allreduce over several arrays of one dtype (a fused unit): srcs[i] into dsts[i].
+
+        Small units are packed straight into the segment, with no fusion buffer of Python's.
+        """
+        dtype = dsts[0].dtype
+        for src, dst in zip(srcs, dsts):
+            _contiguous(src, "allreduce (input)")
+            _contiguous(dst, "allreduce (output)", writeable=True)
+            if src.size != dst.size or src.dtype != dtype or dst.dtype != dtype:
+                raise ValueError(f"fused allreduce pieces differ in size or dtype on rank "
+                                 f"{self.global_rank}")
+        self._call("allreduce_pieces", [_address(a) for a in srcs], [_address(a) for a in dsts],
+                   [a.size for a in dsts], dtype_code(dtype), op_code(op), factor)
 
     def reduce(self, buf: np.ndarray, op, root: int) -> None:
         """Reduce into `root`'s buf (the hierarchical path's first step); others' buf is kept."""
@@ -205,14 +236,17 @@ class ShmTransport(Transport):
     def agree(self, payload_bytes: int, bits: list[int], nbits: int) -> tuple[list[int], list[int]]:
         """The shm agreement's vote (agreement.py): (every rank's payload bytes, the bits
         that every rank set), sorted; one Min-allreduce built and read in C++."""
-        if self._native is None:
+        return self._call("agree", payload_bytes, bits, nbits)
+
+    def agree_allreduce(self, bit: int, nbits: int, data: "ShmTransport", src: np.ndarray,
+                        dst: np.ndarray, op, factor: float):
+        """agree() with this rank's one cached allreduce as its only bit: when the vote finds
+        it ready everywhere and no rank with items, `data` runs it (allreduce_into) in the
+        same native call and this returns None; else agree()'s answer."""
+        if data._native is None:
             raise TransportError(f"the shm transport on rank {self.global_rank} is closed")
-        try:
-            return self._native.agree(payload_bytes, bits, nbits, self.timeout_s, self.should_stop)
-        except RuntimeError as exc:
-            if isinstance(exc, TransportError):
-                raise
-            raise TransportError(str(exc)) from None
+        return self._call("agree_allreduce", bit, nbits, data._native, _address(src),
+                          _address(dst), dst.size, dtype_code(dst.dtype), op_code(op), factor)
 
     # -- failure and recovery --------------------------------------------------------------
     def abort(self, reason: str) -> None:
