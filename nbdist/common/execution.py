@@ -77,6 +77,46 @@ class Executor:
             post = post / self.size
         self._scale(buf, post)
 
+    def _native_factor(self, resp: Response, dtype: np.dtype) -> float | None:
+        """The multiply that finishes `resp`'s reduction when the native call can do it (float32
+        and float64: one multiply in their own type, as _finish_reduction), 1.0 when there is
+        nothing to finish, else None (integer Average, 16-bit floats: _finish_reduction)."""
+        post = resp.postscale
+        if resp.op == ReduceOp.Average:
+            post = post / self.size
+        elif post == 1.0:
+            return 1.0
+        return post if dtype.char in "fd" else None
+
+    def plan_allreduce(self, resp: Response, req: Request) -> tuple | None:
+        """How this rank runs `resp`, a unit of its own, as one native allreduce_into:
+        (transport, input, output, transport op, factor); None when it needs the general path
+        (a GPU buffer, a prescale, a transport without allreduce_into, Python-side scaling)."""
+        if resp.device != "cpu" or resp.prescale != 1.0:
+            return None
+        transport = self.choose("cpu", ALLREDUCE)
+        if not hasattr(transport, "allreduce_into"):
+            return None
+        array = req.array
+        factor = self._native_factor(resp, array.dtype)
+        if factor is None:
+            return None
+        out = array if req.inplace else buffers.empty_like(array)
+        return transport, array, out, self._transport_op(resp.op), factor
+
+    def complete_planned(self, resp: Response, req: Request, out: np.ndarray,
+                         local: dict[str, Request],
+                         release: Callable[[list[str]], None]) -> None:
+        """A planned allreduce ran (agreement.py ran it in the vote's native call): complete it
+        as run_unit would have."""
+        del local[req.name]
+        release([req.name])
+        stats = self.stats
+        stats["units"] += 1
+        stats["allreduce_ops"] += 1
+        stats["allreduce_units"] += 1
+        req.handle.set_result(out)
+
     @staticmethod
     def _traced(kind: str, reqs, phase: str):
         """The names to mark `phase` on (only when a timeline runs; else None)."""
@@ -180,6 +220,16 @@ class Executor:
         if first.device != "cpu":
             self._device_op(unit, reqs)
             return
+        if len(unit) == 1 and reqs[0] is not None:
+            plan = self.plan_allreduce(first, reqs[0])
+            if plan is not None:
+                transport, src, out, op, factor = plan
+                traced = self._traced(ALLREDUCE, reqs, self._transport_phase(transport, ALLREDUCE))
+                transport.allreduce_into(src, out, op, factor)
+                if traced:
+                    timeline.phase_end(ALLREDUCE, traced, None)
+                reqs[0].handle.set_result(out)
+                return
         transport = self.choose(first.device, ALLREDUCE)
         op = self._transport_op(first.op)
         outputs = []
@@ -205,6 +255,15 @@ class Executor:
                 transport.allreduce(flat, op)
                 timeline.phase_end(ALLREDUCE, traced, phase)
             self._finish_reduction(flat, first)
+        elif (first.prescale == 1.0 and hasattr(transport, "allreduce_pieces")
+              and (factor := self._native_factor(first, outputs[0].dtype)) is not None):
+            # The transport packs the pieces itself (into its segment when they fit).
+            srcs = [out if req is None or req.inplace else req.array
+                    for out, req in zip(outputs, reqs)]
+            traced = self._traced(ALLREDUCE, reqs, self._transport_phase(transport, ALLREDUCE))
+            transport.allreduce_pieces(srcs, outputs, op, factor)
+            if traced:
+                timeline.phase_end(ALLREDUCE, traced, None)
         else:
             total = sum(o.size for o in outputs)
             fused = self._fusion_buffer(numpy_dtype(first.dtype), total)

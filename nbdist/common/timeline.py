@@ -11,9 +11,14 @@ rank as its thread; its phases are begin/end pairs:
   NEGOTIATE_<KIND>              submitted until every rank agreed to run it
   QUEUE                         agreed, waiting for the units before it on this rank
   <KIND>                        running, and inside it:
-    MEMCPY_IN_FUSION_BUFFER     copy into the fused buffer (fused allreduces)
+    MEMCPY_IN_FUSION_BUFFER     copy into the engine's fusion buffer (fused allreduces)
     <TRANSPORT>_<KIND>          the transport's collective (SHM_ALLREDUCE, MPI_ALLGATHER ...)
     MEMCPY_OUT_FUSION_BUFFER    copy back out of it
+
+The shm transport packs a fused unit's tensors itself (straight into its segment when
+they fit), inside its SHM_ALLREDUCE phase; the engine's fusion buffer, and its two
+MEMCPY phases, serve the other transports and the units scaled in Python (a prescale,
+integer Average, 16-bit floats).
 
 With mark_cycles, each pass of the background thread that did work adds a CYCLE_START
 instant event. chrome://tracing and https://ui.perfetto.dev load the files.

@@ -49,19 +49,35 @@ def test_timeline_records_phases_of_every_op(tmp_path_factory):
         assert {e["tid"] for e in merged} == set(range(hvd.size()))
 
 
-def test_fused_allreduces_show_the_fusion_buffer_copies(tmp_path_factory):
-    path = os.path.join(_shared_dir(tmp_path_factory), "{rank}.json")
+def _burst_phases(tmp_path_factory, tag: str, **kwargs) -> set:
+    """The phase names of a timeline over bursts of small named allreduces (fused)."""
+    path = os.path.join(_shared_dir(tmp_path_factory), tag + "{rank}.json")
     hvd.start_timeline(path)
     for _step in range(5):  # a burst of small named ops: the engine fuses some of them
-        hs = [hvd.allreduce_async(np.ones(16, np.float32), name=f"tl.burst.{i}") for i in range(8)]
+        hs = [hvd.allreduce_async(np.ones(16, np.float32), name=f"tl.{tag}.{i}", **kwargs)
+              for i in range(8)]
         for h in hs:
-            hvd.synchronize(h)
+            np.testing.assert_allclose(hvd.synchronize(h), kwargs.get("prescale_factor", 1.0))
     hvd.stop_timeline()
     with open(path.format(rank=hvd.rank())) as f:
-        names = {e.get("name") for e in json.load(f)}
+        return {e.get("name") for e in json.load(f)}
+
+
+def test_fused_allreduces_packed_by_the_transport_show_its_phase(tmp_path_factory):
+    names = _burst_phases(tmp_path_factory, "packed")
+    if hvd.size() > 1:
+        # The shm transport packs fused pieces straight into its segment: no fusion buffer.
+        assert "SHM_ALLREDUCE" in names or "MPI_ALLREDUCE" in names
+        if "SHM_ALLREDUCE" in names:
+            assert "MEMCPY_IN_FUSION_BUFFER" not in names
+    assert "CYCLE_START" not in names  # mark_cycles off
+
+
+def test_fused_allreduces_through_the_fusion_buffer_show_the_copies(tmp_path_factory):
+    # A prescale is applied in the engine's fusion buffer, as Horovod's CPU ops do.
+    names = _burst_phases(tmp_path_factory, "buffered", prescale_factor=0.5)
     if hvd.size() > 1:
         assert "MEMCPY_IN_FUSION_BUFFER" in names and "MEMCPY_OUT_FUSION_BUFFER" in names
-    assert "CYCLE_START" not in names  # mark_cycles off
 
 
 def test_stopped_timeline_records_nothing_more(tmp_path_factory):
