@@ -35,13 +35,16 @@ import numpy as np
 
 from . import timeline
 from .negotiation import Coordinator
-from .requests import Request
+from .requests import ALLREDUCE, Request
 
 DEMOTE_S = 0.25  # a cached op waiting longer than this is sent in full (stall bookkeeping)
 KEEPALIVE_S = 0.5  # with ops in flight, cycle at least this often (dead-peer detection)
 STALL_CHECK_INTERVAL_S = 0.05  # rank 0 looks for timed-out ops at most this often
 CONTROL_SLOT_BYTES = 64 * 1024
 CONTROL_SPIN, CONTROL_YIELDS = 50, 8  # polls before yielding, and before the futex sleep
+
+
+_RAN = object()  # _vote_and_run_one ran the op with the vote
 
 
 def _quiet(message: str) -> None:
@@ -79,7 +82,8 @@ class ShmAgreement:
         self.last_stall_check = 0.0
         self.last_cycle = 0.0
         self.news = False
-        self.stats = {"cycles": 0, "item_cycles": 0}
+        # cycles; those with items; ops run by the vote's own native call (_vote_and_run_one)
+        self.stats = {"cycles": 0, "item_cycles": 0, "ran_with_vote": 0}
 
     # -- what this rank has to say --------------------------------------------------------
     def _bit_ok(self, name: str) -> bool:
@@ -164,11 +168,17 @@ class ShmAgreement:
         self.news = False
         self.native.publish_queued(len(self.bit_pending))
         self.stats["cycles"] += 1
-        payload = pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL) if items else b""
         nbits = -(-len(coord.cache_by_id) // 16) * 16  # the same on every rank (replicas)
-        # The AND of the bits comes back as a subset of this rank's own, sorted by cache id
-        # as the replicas' fusion expects.
-        lengths, ready = self.seg.agree(len(payload), list(self.bit_pending), nbits)
+        voted = None if items else self._vote_and_run_one(nbits)
+        if voted is _RAN:
+            return
+        payload = pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL) if items else b""
+        if voted is None:
+            # The AND of the bits comes back as a subset of this rank's own, sorted by cache
+            # id as the replicas' fusion expects.
+            lengths, ready = self.seg.agree(len(payload), list(self.bit_pending), nbits)
+        else:
+            lengths, ready = voted
         units: list[list] = []
         if any(lengths):  # some rank sent items: new or changed ops, aborts, timeouts
             self.stats["item_cycles"] += 1
@@ -225,6 +235,38 @@ class ShmAgreement:
                 if local.get(req.name) is not req:
                     del self.bit_pending[cid]
             self.native.publish_queued(len(self.bit_pending))
+
+    def _vote_and_run_one(self, nbits: int):
+        """The vote, and the op with it when this rank's only queued op is one cached allreduce.
+
+        The steady state of a synchronous training loop: one op queued, seen before. When the
+        vote finds it ready on every rank and no rank with items, every rank runs just that
+        allreduce next (the replicas agree on it), so the native call that votes runs it too
+        and the op completes with no Python between the vote and the bytes. Returns _RAN
+        then, the vote's (lengths, ready) when the cycle goes on as usual, or None when this
+        cycle is not that case (more bits, replica work, a timeline, an op the executor
+        cannot plan as one native call).
+        """
+        bit_pending, coord = self.bit_pending, self.coord
+        if len(bit_pending) != 1 or coord.ready or timeline.active() is not None:
+            return None
+        ((cid, req),) = bit_pending.items()
+        resp = coord.cache_by_id[cid].response
+        if resp.kind != ALLREDUCE:
+            return None
+        executor = self.engine.executor
+        plan = executor.plan_allreduce(resp, req)
+        if plan is None:
+            return None
+        transport, src, out, op, factor = plan
+        voted = self.seg.agree_allreduce(cid, nbits, transport, src, out, op, factor)
+        if voted is not None:
+            return voted
+        del bit_pending[cid]  # the native call published this rank's queue as empty
+        self.stats["ran_with_vote"] += 1
+        eng = self.engine
+        executor.complete_planned(resp, req, out, eng._local, eng._release_names)
+        return _RAN
 
     def close(self, reason: str) -> None:
         """Release peers that wait in a cycle for this rank, then unmap the segment."""

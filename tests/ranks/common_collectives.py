@@ -374,3 +374,48 @@ def test_shutdown_and_init_again():
     hvd.init()
     assert hvd.size() == SIZE
     works("reinit")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32, np.float16],
+                         ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("inplace", [False, True], ids=["new", "inplace"])
+def test_repeated_synchronous_allreduces_keep_horovods_results(dtype, inplace):
+    # The steady state of a training loop: one cached op queued at a time. On one node its
+    # vote and its bytes run in one native call (float32/float64 scaled there too); integer
+    # and float16 Average are finished in Python. Results and inputs must not tell.
+    engine = hvd.basics.engine()
+    ran_before = engine.agreement.stats["ran_with_vote"] if engine.agreement else 0
+    for step in range(6):
+        x = np.full((3, 5), RANK + 1 + step, dtype)
+        before = x.copy()
+        if inplace:
+            out = hvd.allreduce_(x, name=f"steady.{np.dtype(dtype).name}.in")
+            assert out is x
+        else:
+            out = hvd.allreduce(x, name=f"steady.{np.dtype(dtype).name}")
+            np.testing.assert_array_equal(x, before)
+        total = sum(r + 1 + step for r in range(SIZE))
+        want = np.full((3, 5), total, dtype)
+        want = want // SIZE if want.dtype.kind in "iu" else (want / SIZE).astype(dtype)
+        assert out.dtype == np.dtype(dtype) and out.shape == (3, 5)
+        np.testing.assert_array_equal(out, want)
+    if engine.agreement is not None and SIZE > 1 and np.dtype(dtype).char in "fd":
+        assert engine.agreement.stats["ran_with_vote"] > ran_before
+
+
+def test_ranks_that_run_an_op_with_the_vote_meet_ranks_that_cannot():
+    # Rank 0 has a second op queued, so its cycle goes through Python; the others vote and
+    # run "mix.x" in one native call. Every rank must still run the same allreduce.
+    x = np.full(8, RANK + 1, np.float32)
+    y = np.full(4, 10.0 * (RANK + 1), np.float64)
+    total = SIZE * (SIZE + 1) // 2
+    for _step in range(10):
+        if RANK == 0:
+            hy = hvd.allreduce_async(y, op=hvd.Sum, name="mix.y")
+            rx = hvd.allreduce(x, op=hvd.Sum, name="mix.x")
+            ry = hvd.synchronize(hy)
+        else:
+            rx = hvd.allreduce(x, op=hvd.Sum, name="mix.x")
+            ry = hvd.allreduce(y, op=hvd.Sum, name="mix.y")
+        np.testing.assert_array_equal(rx, np.full(8, total, np.float32))
+        np.testing.assert_array_equal(ry, np.full(4, 10.0 * total))
