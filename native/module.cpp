@@ -1,8 +1,10 @@
 // nbdist._native: the C++ data path (shared memory on one node, NCCL on GPUs).
 //
-// Buffers arrive as raw addresses (ints) from the Python side, which checks
-// dtype, contiguity and sizes and keeps the arrays alive for the call; every op
-// runs with the GIL released.
+// The shm collectives take the numpy arrays themselves (reading an address in Python,
+// __array_interface__, costs ~1 us an array, on every small op); the Python side checks
+// dtype, contiguity and sizes, and the call keeps the arrays alive. Every op runs with
+// the GIL released: addresses are read before it is let go.
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -24,6 +26,10 @@ using nbdist::WaitContext;
 namespace {
 
 void* ptr(uintptr_t address) { return reinterpret_cast<void*>(address); }
+
+// The address of an array's data (the Python side has checked the array: C-contiguous,
+// writeable where written).
+uintptr_t address(const py::array& a) { return reinterpret_cast<uintptr_t>(a.data()); }
 
 // Scaling after a reduction is done here for float32 and float64 (Horovod multiplies those
 // in their own type); other dtypes come with factor 1 and are scaled by the Python side.
@@ -172,26 +178,31 @@ void bind_shm(py::module_& m) {
            py::arg("should_stop") = py::none(),
            "An agreement cycle's vote: (payload bytes per rank, the cache bits set on every rank).")
       .def("allreduce",
-           [](PyShm& s, uintptr_t buf, size_t count, int dtype, int op, double timeout_s, py::object stop) {
-             s.run("allreduce", timeout_s, stop,
-                   [&](ShmComm& c, WaitContext& ctx) { c.allreduce(ptr(buf), count, dtype, op, ctx); });
-           },
-           py::arg("buf"), py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("timeout_s") = 0.0,
-           py::arg("should_stop") = py::none())
-      .def("allreduce_into",
-           [](PyShm& s, uintptr_t src, uintptr_t dst, size_t count, int dtype, int op, double factor,
-              double timeout_s, py::object stop) {
-             check_factor(dtype, factor);
-             s.run("allreduce", timeout_s, stop, [&](ShmComm& c, WaitContext& ctx) {
-               reduce_scaled(c, src, dst, count, dtype, op, factor, ctx);
+           [](PyShm& s, const py::array& buf, size_t count, int dtype, int op, double timeout_s,
+              py::object stop) {
+             s.run("allreduce", timeout_s, stop, [&, p = address(buf)](ShmComm& c, WaitContext& ctx) {
+               c.allreduce(ptr(p), count, dtype, op, ctx);
              });
            },
-           py::arg("src"), py::arg("dst"), py::arg("count"), py::arg("dtype"), py::arg("op"),
+           py::arg("buf").noconvert(), py::arg("count"), py::arg("dtype"), py::arg("op"),
+           py::arg("timeout_s") = 0.0,
+           py::arg("should_stop") = py::none())
+      .def("allreduce_into",
+           [](PyShm& s, const py::array& src, const py::array& dst, size_t count, int dtype, int op,
+              double factor, double timeout_s, py::object stop) {
+             check_factor(dtype, factor);
+             s.run("allreduce", timeout_s, stop, [&, from = address(src), to = address(dst)](
+                                                     ShmComm& c, WaitContext& ctx) {
+               reduce_scaled(c, from, to, count, dtype, op, factor, ctx);
+             });
+           },
+           py::arg("src").noconvert(), py::arg("dst").noconvert(), py::arg("count"),
+           py::arg("dtype"), py::arg("op"),
            py::arg("factor") = 1.0, py::arg("timeout_s") = 0.0, py::arg("should_stop") = py::none(),
            "Allreduce `src` into `dst` (the same address for in place), then dst *= factor\n"
            "(float32 and float64 only): one call, no copy of the input first.")
       .def("allreduce_pieces",
-           [](PyShm& s, const std::vector<uintptr_t>& srcs, const std::vector<uintptr_t>& dsts,
+           [](PyShm& s, const std::vector<py::array>& srcs, const std::vector<py::array>& dsts,
               const std::vector<size_t>& counts, int dtype, int op, double factor, double timeout_s,
               py::object stop) {
              if (srcs.size() != dsts.size() || srcs.size() != counts.size())
@@ -199,20 +210,21 @@ void bind_shm(py::module_& m) {
              check_factor(dtype, factor);
              std::vector<ShmComm::Piece> pieces(srcs.size());
              for (size_t i = 0; i < srcs.size(); ++i)
-               pieces[i] = {reinterpret_cast<const void*>(srcs[i]), ptr(dsts[i]), counts[i]};
+               pieces[i] = {srcs[i].data(), ptr(address(dsts[i])), counts[i]};
              s.run("allreduce", timeout_s, stop, [&](ShmComm& c, WaitContext& ctx) {
                c.allreduce_pieces(pieces, dtype, op, ctx);
                if (factor != 1.0)
                  for (const auto& p : pieces) nbdist::scale_in_place(p.dst, p.count, dtype, factor);
              });
            },
-           py::arg("srcs"), py::arg("dsts"), py::arg("counts"), py::arg("dtype"), py::arg("op"),
+           py::arg("srcs").noconvert(), py::arg("dsts").noconvert(), py::arg("counts"),
+           py::arg("dtype"), py::arg("op"),
            py::arg("factor") = 1.0, py::arg("timeout_s") = 0.0, py::arg("should_stop") = py::none(),
            "One allreduce over several buffers (a fused unit): srcs[i] reduced into dsts[i],\n"
            "then each dst *= factor (float32 and float64 only).")
       .def("agree_allreduce",
-           [](PyShm& s, int64_t bit, int64_t nbits, PyShm& data, uintptr_t src, uintptr_t dst,
-              size_t count, int dtype, int op, double factor, double timeout_s,
+           [](PyShm& s, int64_t bit, int64_t nbits, PyShm& data, const py::array& src,
+              const py::array& dst, size_t count, int dtype, int op, double factor, double timeout_s,
               py::object stop) -> py::object {
              // A whole agreement cycle for the commonest case (nbdist/common/agreement.py):
              // this rank's only queued op is one cached allreduce. The vote is agree()'s; when
@@ -240,57 +252,69 @@ void bind_shm(py::module_& m) {
              // Consumed before the bytes move: a peer that finishes first and submits its
              // next op must not count this rank's bit as still queued.
              s.comm().publish_queued(0);
-             data.run("allreduce", timeout_s, stop, [&](ShmComm& c, WaitContext& ctx) {
-               reduce_scaled(c, src, dst, count, dtype, op, factor, ctx);
+             data.run("allreduce", timeout_s, stop, [&, from = address(src), to = address(dst)](
+                                                        ShmComm& c, WaitContext& ctx) {
+               reduce_scaled(c, from, to, count, dtype, op, factor, ctx);
              });
              return py::none();
            },
-           py::arg("bit"), py::arg("nbits"), py::arg("data"), py::arg("src"), py::arg("dst"),
+           py::arg("bit"), py::arg("nbits"), py::arg("data"), py::arg("src").noconvert(),
+           py::arg("dst").noconvert(),
            py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("factor") = 1.0,
            py::arg("timeout_s") = 0.0, py::arg("should_stop") = py::none(),
            "An agreement cycle that runs this rank's one cached allreduce when every rank is\n"
            "ready for it and none has items: None then; else agree()'s (lengths, ready).")
       .def("reduce",
-           [](PyShm& s, uintptr_t buf, size_t count, int dtype, int op, int root, double timeout_s,
-              py::object stop) {
-             s.run("reduce", timeout_s, stop,
-                   [&](ShmComm& c, WaitContext& ctx) { c.reduce(ptr(buf), count, dtype, op, root, ctx); });
+           [](PyShm& s, const py::array& buf, size_t count, int dtype, int op, int root,
+              double timeout_s, py::object stop) {
+             s.run("reduce", timeout_s, stop, [&, p = address(buf)](ShmComm& c, WaitContext& ctx) {
+               c.reduce(ptr(p), count, dtype, op, root, ctx);
+             });
            },
-           py::arg("buf"), py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("root"),
+           py::arg("buf").noconvert(), py::arg("count"), py::arg("dtype"), py::arg("op"),
+           py::arg("root"),
            py::arg("timeout_s") = 0.0, py::arg("should_stop") = py::none())
       .def("broadcast",
-           [](PyShm& s, uintptr_t buf, size_t nbytes, int root, double timeout_s, py::object stop) {
-             s.run("broadcast", timeout_s, stop,
-                   [&](ShmComm& c, WaitContext& ctx) { c.broadcast(ptr(buf), nbytes, root, ctx); });
+           [](PyShm& s, const py::array& buf, size_t nbytes, int root, double timeout_s,
+              py::object stop) {
+             s.run("broadcast", timeout_s, stop, [&, p = address(buf)](ShmComm& c, WaitContext& ctx) {
+               c.broadcast(ptr(p), nbytes, root, ctx);
+             });
            },
-           py::arg("buf"), py::arg("nbytes"), py::arg("root"), py::arg("timeout_s") = 0.0,
+           py::arg("buf").noconvert(), py::arg("nbytes"), py::arg("root"), py::arg("timeout_s") = 0.0,
            py::arg("should_stop") = py::none())
       .def("allgatherv",
-           [](PyShm& s, uintptr_t send, uintptr_t recv, std::vector<int64_t> byte_counts, double timeout_s,
-              py::object stop) {
-             s.run("allgather", timeout_s, stop, [&](ShmComm& c, WaitContext& ctx) {
-               c.allgatherv(ptr(send), ptr(recv), byte_counts, ctx);
+           [](PyShm& s, const py::array& send, const py::array& recv, std::vector<int64_t> byte_counts,
+              double timeout_s, py::object stop) {
+             s.run("allgather", timeout_s, stop, [&, from = address(send), to = address(recv)](
+                                                     ShmComm& c, WaitContext& ctx) {
+               c.allgatherv(ptr(from), ptr(to), byte_counts, ctx);
              });
            },
-           py::arg("send"), py::arg("recv"), py::arg("byte_counts"), py::arg("timeout_s") = 0.0,
+           py::arg("send").noconvert(), py::arg("recv").noconvert(), py::arg("byte_counts"),
+           py::arg("timeout_s") = 0.0,
            py::arg("should_stop") = py::none())
       .def("reducescatter",
-           [](PyShm& s, uintptr_t send, uintptr_t recv, std::vector<int64_t> counts, int dtype, int op,
-              double timeout_s, py::object stop) {
-             s.run("reducescatter", timeout_s, stop, [&](ShmComm& c, WaitContext& ctx) {
-               c.reducescatter(ptr(send), ptr(recv), counts, dtype, op, ctx);
+           [](PyShm& s, const py::array& send, const py::array& recv, std::vector<int64_t> counts,
+              int dtype, int op, double timeout_s, py::object stop) {
+             s.run("reducescatter", timeout_s, stop, [&, from = address(send), to = address(recv)](
+                                                         ShmComm& c, WaitContext& ctx) {
+               c.reducescatter(ptr(from), ptr(to), counts, dtype, op, ctx);
              });
            },
-           py::arg("send"), py::arg("recv"), py::arg("counts"), py::arg("dtype"), py::arg("op"),
+           py::arg("send").noconvert(), py::arg("recv").noconvert(), py::arg("counts"),
+           py::arg("dtype"), py::arg("op"),
            py::arg("timeout_s") = 0.0, py::arg("should_stop") = py::none())
       .def("alltoallv",
-           [](PyShm& s, uintptr_t send, std::vector<int64_t> send_bytes, uintptr_t recv,
+           [](PyShm& s, const py::array& send, std::vector<int64_t> send_bytes, const py::array& recv,
               std::vector<int64_t> recv_bytes, double timeout_s, py::object stop) {
-             s.run("alltoall", timeout_s, stop, [&](ShmComm& c, WaitContext& ctx) {
-               c.alltoallv(ptr(send), send_bytes, ptr(recv), recv_bytes, ctx);
+             s.run("alltoall", timeout_s, stop, [&, from = address(send), to = address(recv)](
+                                                    ShmComm& c, WaitContext& ctx) {
+               c.alltoallv(ptr(from), send_bytes, ptr(to), recv_bytes, ctx);
              });
            },
-           py::arg("send"), py::arg("send_bytes"), py::arg("recv"), py::arg("recv_bytes"),
+           py::arg("send").noconvert(), py::arg("send_bytes"), py::arg("recv").noconvert(),
+           py::arg("recv_bytes"),
            py::arg("timeout_s") = 0.0, py::arg("should_stop") = py::none());
 }
 

@@ -71,6 +71,8 @@ def empty(shape, dtype) -> np.ndarray:
 
 def empty_like(array: np.ndarray) -> np.ndarray:
     """empty(array.shape, array.dtype)."""
+    if array.nbytes < POOL_MIN_BYTES:  # the per-op path of small ops: skip empty()'s checks
+        return np.empty(array.shape, array.dtype)
     return empty(array.shape, array.dtype)
 
 

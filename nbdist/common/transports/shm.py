@@ -157,7 +157,7 @@ class ShmTransport(Transport):
     # -- the Transport interface -----------------------------------------------------------
     def allreduce(self, buf: np.ndarray, op) -> None:
         _contiguous(buf, "allreduce", writeable=True)
-        self._call("allreduce", _address(buf), buf.size, dtype_code(buf.dtype), op_code(op))
+        self._call("allreduce", buf, buf.size, dtype_code(buf.dtype), op_code(op))
 
     def allreduce_into(self, src: np.ndarray, dst: np.ndarray, op, factor: float = 1.0) -> None:
         """Reduce `src` into `dst` (the same array for in place), then dst *= factor.
@@ -170,8 +170,7 @@ class ShmTransport(Transport):
         if src.size != dst.size or src.dtype != dst.dtype:
             raise ValueError(f"allreduce input {src.dtype}[{src.size}] and output "
                              f"{dst.dtype}[{dst.size}] differ on rank {self.global_rank}")
-        self._call("allreduce_into", _address(src), _address(dst), dst.size,
-                   dtype_code(dst.dtype), op_code(op), factor)
+        self._call("allreduce_into", src, dst, dst.size, dtype_code(dst.dtype), op_code(op), factor)
 
     def allreduce_pieces(self, srcs: Sequence[np.ndarray], dsts: Sequence[np.ndarray], op,
                          factor: float = 1.0) -> None:
@@ -186,13 +185,13 @@ class ShmTransport(Transport):
             if src.size != dst.size or src.dtype != dtype or dst.dtype != dtype:
                 raise ValueError(f"fused allreduce pieces differ in size or dtype on rank "
                                  f"{self.global_rank}")
-        self._call("allreduce_pieces", [_address(a) for a in srcs], [_address(a) for a in dsts],
-                   [a.size for a in dsts], dtype_code(dtype), op_code(op), factor)
+        self._call("allreduce_pieces", list(srcs), list(dsts), [a.size for a in dsts],
+                   dtype_code(dtype), op_code(op), factor)
 
     def reduce(self, buf: np.ndarray, op, root: int) -> None:
         """Reduce into `root`'s buf (the hierarchical path's first step); others' buf is kept."""
         _contiguous(buf, "reduce", writeable=True)
-        self._call("reduce", _address(buf), buf.size, dtype_code(buf.dtype), op_code(op), int(root))
+        self._call("reduce", buf, buf.size, dtype_code(buf.dtype), op_code(op), int(root))
 
     def allgatherv(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int]) -> None:
         _contiguous(send, "allgather (send)")
@@ -202,11 +201,11 @@ class ShmTransport(Transport):
         if len(counts) != self.size or sum(counts) != recv.size or send.size != counts[self.rank]:
             raise ValueError(f"allgather counts {counts} do not match the buffers "
                              f"(send {send.size}, receive {recv.size}) on rank {self.global_rank}")
-        self._call("allgatherv", _address(send), _address(recv), [c * item for c in counts])
+        self._call("allgatherv", send, recv, [c * item for c in counts])
 
     def broadcast(self, buf: np.ndarray, root: int) -> None:
         _contiguous(buf, "broadcast", writeable=True)
-        self._call("broadcast", _address(buf), buf.nbytes, int(root))
+        self._call("broadcast", buf, buf.nbytes, int(root))
 
     def alltoallv(self, send: np.ndarray, send_counts: Sequence[int],
                   recv: np.ndarray, recv_counts: Sequence[int]) -> None:
@@ -216,7 +215,7 @@ class ShmTransport(Transport):
         sc, rc = [int(c) for c in send_counts], [int(c) for c in recv_counts]
         if sum(sc) != send.size or sum(rc) != recv.size:
             raise ValueError(f"alltoall counts do not match the buffers on rank {self.global_rank}")
-        self._call("alltoallv", _address(send), [c * item for c in sc], _address(recv),
+        self._call("alltoallv", send, [c * item for c in sc], recv,
                    [c * item for c in rc])
 
     def reducescatter(self, send: np.ndarray, recv: np.ndarray,
@@ -227,7 +226,7 @@ class ShmTransport(Transport):
         if sum(counts) != send.size or recv.size != counts[self.rank]:
             raise ValueError(f"reducescatter counts {counts} do not match the buffers "
                              f"(send {send.size}, receive {recv.size}) on rank {self.global_rank}")
-        self._call("reducescatter", _address(send), _address(recv), counts,
+        self._call("reducescatter", send, recv, counts,
                    dtype_code(send.dtype), op_code(op))
 
     def barrier(self) -> None:
@@ -245,8 +244,8 @@ class ShmTransport(Transport):
         same native call and this returns None; else agree()'s answer."""
         if data._native is None:
             raise TransportError(f"the shm transport on rank {self.global_rank} is closed")
-        return self._call("agree_allreduce", bit, nbits, data._native, _address(src),
-                          _address(dst), dst.size, dtype_code(dst.dtype), op_code(op), factor)
+        return self._call("agree_allreduce", bit, nbits, data._native, src, dst, dst.size,
+                          dtype_code(dst.dtype), op_code(op), factor)
 
     # -- failure and recovery --------------------------------------------------------------
     def abort(self, reason: str) -> None:
