@@ -86,7 +86,9 @@ class ShmTransport(Transport):
         yields = _env_int("NBDIST_SHM_YIELDS", 50 if oversubscribed else 200)
         self._native.set_tuning(spin, yields, _env_int("NBDIST_SHM_SMALL_BYTES", 64 * 1024),
                                 _env_int("NBDIST_SHM_STREAM_BYTES", 0))
-        cma_bytes = _env_int("NBDIST_SHM_CMA_BYTES", 256 * 1024)
+        # Below ~32 MiB moved, two copies through the (cache-warm) slots beat one
+        # process_vm_readv, whose page pinning costs more than it saves (docs/native.md).
+        cma_bytes = _env_int("NBDIST_SHM_CMA_BYTES", 32 * 1024 * 1024)
         if single_copy and cma_bytes and self._cma_works():
             self._native.set_cma_bytes(cma_bytes)
 
