@@ -83,14 +83,9 @@ class Peers:
             except ImportError:
                 self.impls.remove("gloo")
             else:
-                port = None
-                if comm.rank == 0:
-                    with socket.socket() as s:
-                        s.bind(("127.0.0.1", 0))
-                        port = s.getsockname()[1]
-                port = comm.bcast(port, root=0)
-                dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                        rank=comm.rank, world_size=comm.size)
+                from peer_group import init_peer_group
+
+                init_peer_group("gloo", comm.rank, comm.size, lambda value: comm.bcast(value, root=0))
                 self.dist, self.torch = dist, torch
 
     def transport_name(self, op: str) -> str:

@@ -38,6 +38,7 @@ from mpi4py import MPI
 from torch import nn
 
 import nbdist.torch as hvd
+from peer_group import init_peer_group
 from nbdist.common.config import Config
 from nbdist.common.ops_base import ReduceOp
 from nbdist.common.topology import Topology
@@ -126,12 +127,6 @@ def sync(device) -> None:
 
 def slowest(seconds: float) -> float:
     return COMM.allreduce(seconds, op=MPI.MAX)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Allreduces:
@@ -292,10 +287,8 @@ def main(argv=None) -> int:
         torch.cuda.set_device(device)
         backend = "nccl"
     hvd.init()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(COMM.bcast(free_port() if rank == 0 else None, root=0))
-    dist.init_process_group(backend, rank=rank, world_size=size,
-                            device_id=device if device.type == "cuda" else None)
+    init_peer_group(backend, rank, size, lambda value: COMM.bcast(value, root=0),
+                    device_id=device if device.type == "cuda" else None)
     try:
         rows = bench_allreduce(args, device, size)
         transport = rows.pop()["transport"]

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
-import socket
 import statistics
 import time
 
@@ -30,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import nbdist.torch as hvd
+from peer_group import init_peer_group
 
 
 class ResidualBlock(nn.Module):
@@ -99,12 +98,6 @@ def timed_distributed(fn, steps: int) -> tuple[float, float]:
     return max(hvd.allgather_object(elapsed)), cpu
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["mlp", "cnn", "resnet"], default="mlp")
@@ -134,9 +127,7 @@ def main() -> None:
                                       bucket_bytes=0)
 
     # DDP over gloo, rendezvous on this machine
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(hvd.broadcast_object(free_port() if rank == 0 else None, 0))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=size)
+    init_peer_group("gloo", rank, size, lambda value: hvd.broadcast_object(value, 0))
     ddp_model = nn.parallel.DistributedDataParallel(make_model(args.model))
     ddp_opt = torch.optim.SGD(ddp_model.parameters(), lr=0.01)
 
