@@ -38,10 +38,10 @@ from mpi4py import MPI
 from torch import nn
 
 import nbdist.torch as hvd
-from peer_group import init_peer_group
 from nbdist.common.config import Config
 from nbdist.common.ops_base import ReduceOp
 from nbdist.common.topology import Topology
+from peer_group import init_peer_group
 from nbdist.common.transports.select import TransportSet
 
 COMM = MPI.COMM_WORLD

@@ -27,9 +27,9 @@ namespace {
 
 void* ptr(uintptr_t address) { return reinterpret_cast<void*>(address); }
 
-// The address of an array's data (the Python side has checked the array: C-contiguous,
-// writeable where written).
-uintptr_t address(const py::array& a) { return reinterpret_cast<uintptr_t>(a.data()); }
+// An array's data (the Python side has checked the array: C-contiguous, writeable where
+// written). Read while the GIL is held, before an op lets it go.
+void* data_of(const py::array& a) { return const_cast<void*>(a.data()); }
 
 // Scaling after a reduction is done here for float32 and float64 (Horovod multiplies those
 // in their own type); other dtypes come with factor 1 and are scaled by the Python side.
@@ -38,10 +38,10 @@ void check_factor(int dtype, double factor) {
     throw py::value_error("allreduce_into: a factor other than 1 needs float32 or float64");
 }
 
-void reduce_scaled(ShmComm& c, uintptr_t src, uintptr_t dst, size_t count, int dtype, int op,
+void reduce_scaled(ShmComm& c, const void* src, void* dst, size_t count, int dtype, int op,
                    double factor, WaitContext& ctx) {
-  c.allreduce(reinterpret_cast<const void*>(src), ptr(dst), count, dtype, op, ctx);
-  if (factor != 1.0) nbdist::scale_in_place(ptr(dst), count, dtype, factor);
+  c.allreduce(src, dst, count, dtype, op, ctx);
+  if (factor != 1.0) nbdist::scale_in_place(dst, count, dtype, factor);
 }
 
 // The Python side of a ShmComm: counts ops in flight, so that close() from
@@ -180,8 +180,8 @@ void bind_shm(py::module_& m) {
       .def("allreduce",
            [](PyShm& s, const py::array& buf, size_t count, int dtype, int op, double timeout_s,
               py::object stop) {
-             s.run("allreduce", timeout_s, stop, [&, p = address(buf)](ShmComm& c, WaitContext& ctx) {
-               c.allreduce(ptr(p), count, dtype, op, ctx);
+             s.run("allreduce", timeout_s, stop, [&, p = data_of(buf)](ShmComm& c, WaitContext& ctx) {
+               c.allreduce(p, count, dtype, op, ctx);
              });
            },
            py::arg("buf").noconvert(), py::arg("count"), py::arg("dtype"), py::arg("op"),
@@ -191,7 +191,7 @@ void bind_shm(py::module_& m) {
            [](PyShm& s, const py::array& src, const py::array& dst, size_t count, int dtype, int op,
               double factor, double timeout_s, py::object stop) {
              check_factor(dtype, factor);
-             s.run("allreduce", timeout_s, stop, [&, from = address(src), to = address(dst)](
+             s.run("allreduce", timeout_s, stop, [&, from = data_of(src), to = data_of(dst)](
                                                      ShmComm& c, WaitContext& ctx) {
                reduce_scaled(c, from, to, count, dtype, op, factor, ctx);
              });
@@ -210,7 +210,7 @@ void bind_shm(py::module_& m) {
              check_factor(dtype, factor);
              std::vector<ShmComm::Piece> pieces(srcs.size());
              for (size_t i = 0; i < srcs.size(); ++i)
-               pieces[i] = {srcs[i].data(), ptr(address(dsts[i])), counts[i]};
+               pieces[i] = {data_of(srcs[i]), data_of(dsts[i]), counts[i]};
              s.run("allreduce", timeout_s, stop, [&](ShmComm& c, WaitContext& ctx) {
                c.allreduce_pieces(pieces, dtype, op, ctx);
                if (factor != 1.0)
@@ -252,7 +252,7 @@ void bind_shm(py::module_& m) {
              // Consumed before the bytes move: a peer that finishes first and submits its
              // next op must not count this rank's bit as still queued.
              s.comm().publish_queued(0);
-             data.run("allreduce", timeout_s, stop, [&, from = address(src), to = address(dst)](
+             data.run("allreduce", timeout_s, stop, [&, from = data_of(src), to = data_of(dst)](
                                                         ShmComm& c, WaitContext& ctx) {
                reduce_scaled(c, from, to, count, dtype, op, factor, ctx);
              });
@@ -267,8 +267,8 @@ void bind_shm(py::module_& m) {
       .def("reduce",
            [](PyShm& s, const py::array& buf, size_t count, int dtype, int op, int root,
               double timeout_s, py::object stop) {
-             s.run("reduce", timeout_s, stop, [&, p = address(buf)](ShmComm& c, WaitContext& ctx) {
-               c.reduce(ptr(p), count, dtype, op, root, ctx);
+             s.run("reduce", timeout_s, stop, [&, p = data_of(buf)](ShmComm& c, WaitContext& ctx) {
+               c.reduce(p, count, dtype, op, root, ctx);
              });
            },
            py::arg("buf").noconvert(), py::arg("count"), py::arg("dtype"), py::arg("op"),
@@ -277,8 +277,8 @@ void bind_shm(py::module_& m) {
       .def("broadcast",
            [](PyShm& s, const py::array& buf, size_t nbytes, int root, double timeout_s,
               py::object stop) {
-             s.run("broadcast", timeout_s, stop, [&, p = address(buf)](ShmComm& c, WaitContext& ctx) {
-               c.broadcast(ptr(p), nbytes, root, ctx);
+             s.run("broadcast", timeout_s, stop, [&, p = data_of(buf)](ShmComm& c, WaitContext& ctx) {
+               c.broadcast(p, nbytes, root, ctx);
              });
            },
            py::arg("buf").noconvert(), py::arg("nbytes"), py::arg("root"), py::arg("timeout_s") = 0.0,
@@ -286,9 +286,9 @@ void bind_shm(py::module_& m) {
       .def("allgatherv",
            [](PyShm& s, const py::array& send, const py::array& recv, std::vector<int64_t> byte_counts,
               double timeout_s, py::object stop) {
-             s.run("allgather", timeout_s, stop, [&, from = address(send), to = address(recv)](
+             s.run("allgather", timeout_s, stop, [&, from = data_of(send), to = data_of(recv)](
                                                      ShmComm& c, WaitContext& ctx) {
-               c.allgatherv(ptr(from), ptr(to), byte_counts, ctx);
+               c.allgatherv(from, to, byte_counts, ctx);
              });
            },
            py::arg("send").noconvert(), py::arg("recv").noconvert(), py::arg("byte_counts"),
@@ -297,9 +297,9 @@ void bind_shm(py::module_& m) {
       .def("reducescatter",
            [](PyShm& s, const py::array& send, const py::array& recv, std::vector<int64_t> counts,
               int dtype, int op, double timeout_s, py::object stop) {
-             s.run("reducescatter", timeout_s, stop, [&, from = address(send), to = address(recv)](
+             s.run("reducescatter", timeout_s, stop, [&, from = data_of(send), to = data_of(recv)](
                                                          ShmComm& c, WaitContext& ctx) {
-               c.reducescatter(ptr(from), ptr(to), counts, dtype, op, ctx);
+               c.reducescatter(from, to, counts, dtype, op, ctx);
              });
            },
            py::arg("send").noconvert(), py::arg("recv").noconvert(), py::arg("counts"),
@@ -308,9 +308,9 @@ void bind_shm(py::module_& m) {
       .def("alltoallv",
            [](PyShm& s, const py::array& send, std::vector<int64_t> send_bytes, const py::array& recv,
               std::vector<int64_t> recv_bytes, double timeout_s, py::object stop) {
-             s.run("alltoall", timeout_s, stop, [&, from = address(send), to = address(recv)](
+             s.run("alltoall", timeout_s, stop, [&, from = data_of(send), to = data_of(recv)](
                                                     ShmComm& c, WaitContext& ctx) {
-               c.alltoallv(ptr(from), send_bytes, ptr(to), recv_bytes, ctx);
+               c.alltoallv(from, send_bytes, to, recv_bytes, ctx);
              });
            },
            py::arg("send").noconvert(), py::arg("send_bytes"), py::arg("recv").noconvert(),

@@ -50,7 +50,15 @@ def empty(shape, dtype) -> np.ndarray:
     """An uninitialised C-contiguous array, as np.empty(shape, dtype), from the pool when large."""
     dtype = np.dtype(dtype)
     shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
-    nbytes = math.prod(shape) * dtype.itemsize  # Python ints: no overflow
+    return _empty(shape, dtype, math.prod(shape) * dtype.itemsize)  # Python ints: no overflow
+
+
+def empty_like(array: np.ndarray) -> np.ndarray:
+    """empty(array.shape, array.dtype), with the checks of shape and dtype already done."""
+    return _empty(array.shape, array.dtype, array.nbytes)
+
+
+def _empty(shape: tuple, dtype: np.dtype, nbytes: int) -> np.ndarray:
     if nbytes < POOL_MIN_BYTES or dtype.hasobject:
         return np.empty(shape, dtype)
     with _lock:
@@ -67,13 +75,6 @@ def empty(shape, dtype) -> np.ndarray:
     # the finalizer holds the block until the lease (every view of the result) is gone
     weakref.finalize(lease, _give_back, block).atexit = False
     return np.asarray(lease).view(dtype).reshape(shape)
-
-
-def empty_like(array: np.ndarray) -> np.ndarray:
-    """empty(array.shape, array.dtype)."""
-    if array.nbytes < POOL_MIN_BYTES:  # the per-op path of small ops: skip empty()'s checks
-        return np.empty(array.shape, array.dtype)
-    return empty(array.shape, array.dtype)
 
 
 def pool_stats() -> dict:
