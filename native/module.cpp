@@ -97,6 +97,41 @@ class PyShm {
   std::atomic<int> active_{0};
 };
 
+// A whole agreement cycle for the commonest case (nbdist/common/agreement.py): this rank's
+// only queued op is one cached allreduce. The vote is agree()'s; when it finds no rank with
+// items and that op ready everywhere, every rank runs that one allreduce next (a rank with
+// more queued ops finds the same unit in Python), so it runs here, with no return to Python
+// between the vote and the bytes. Otherwise the vote's answer goes back, as agree() returns it.
+py::object agree_allreduce(PyShm& s, int64_t bit, int64_t nbits, PyShm& data, const py::array& src,
+                           const py::array& dst, size_t count, int dtype, int op, double factor,
+                           double timeout_s, const py::object& stop) {
+  const int n = s.comm().size();
+  if (bit < 0 || bit >= nbits) throw py::value_error("agree_allreduce: cache bit out of range");
+  check_factor(dtype, factor);
+  std::vector<int32_t> vec(static_cast<size_t>(n + nbits), 0);
+  vec[n + bit] = 1;
+  s.run("agreement", timeout_s, stop, [&](ShmComm& c, WaitContext& ctx) {
+    c.allreduce(vec.data(), vec.size(), nbdist::kI32, nbdist::kMin, ctx);
+  });
+  bool quiet = vec[n + bit] != 0;
+  for (int r = 0; r < n && quiet; ++r) quiet = vec[r] == 0;
+  if (!quiet) {
+    py::list lengths(n);
+    for (int r = 0; r < n; ++r) lengths[r] = -static_cast<int64_t>(vec[r]);
+    py::list ready;
+    if (vec[n + bit] != 0) ready.append(bit);
+    return py::make_tuple(lengths, ready);
+  }
+  // Consumed before the bytes move: a peer that finishes first and submits its next op
+  // must not count this rank's bit as still queued.
+  s.comm().publish_queued(0);
+  data.run("allreduce", timeout_s, stop, [&, from = data_of(src), to = data_of(dst)](
+                                             ShmComm& c, WaitContext& ctx) {
+    reduce_scaled(c, from, to, count, dtype, op, factor, ctx);
+  });
+  return py::none();
+}
+
 void bind_shm(py::module_& m) {
   py::class_<PyShm>(m, "ShmComm", "Collectives among the ranks of one node through shared memory.")
       .def_static(
@@ -222,48 +257,43 @@ void bind_shm(py::module_& m) {
            py::arg("factor") = 1.0, py::arg("timeout_s") = 0.0, py::arg("should_stop") = py::none(),
            "One allreduce over several buffers (a fused unit): srcs[i] reduced into dsts[i],\n"
            "then each dst *= factor (float32 and float64 only).")
-      .def("agree_allreduce",
-           [](PyShm& s, int64_t bit, int64_t nbits, PyShm& data, const py::array& src,
-              const py::array& dst, size_t count, int dtype, int op, double factor, double timeout_s,
-              py::object stop) -> py::object {
-             // A whole agreement cycle for the commonest case (nbdist/common/agreement.py):
-             // this rank's only queued op is one cached allreduce. The vote is agree()'s; when
-             // it finds no rank with items and that op ready everywhere, every rank runs that
-             // one allreduce next (a rank with more queued ops finds the same unit in Python),
-             // so it runs here, with no return to Python between the vote and the bytes.
-             // Otherwise the vote's answer goes back, as agree() returns it.
-             const int n = s.comm().size();
-             if (bit < 0 || bit >= nbits) throw py::value_error("agree_allreduce: cache bit out of range");
-             check_factor(dtype, factor);
-             std::vector<int32_t> vec(static_cast<size_t>(n + nbits), 0);
-             vec[n + bit] = 1;
-             s.run("agreement", timeout_s, stop, [&](ShmComm& c, WaitContext& ctx) {
-               c.allreduce(vec.data(), vec.size(), nbdist::kI32, nbdist::kMin, ctx);
-             });
-             bool quiet = vec[n + bit] != 0;
-             for (int r = 0; r < n && quiet; ++r) quiet = vec[r] == 0;
-             if (!quiet) {
-               py::list lengths(n);
-               for (int r = 0; r < n; ++r) lengths[r] = -static_cast<int64_t>(vec[r]);
-               py::list ready;
-               if (vec[n + bit] != 0) ready.append(bit);
-               return py::make_tuple(lengths, ready);
-             }
-             // Consumed before the bytes move: a peer that finishes first and submits its
-             // next op must not count this rank's bit as still queued.
-             s.comm().publish_queued(0);
-             data.run("allreduce", timeout_s, stop, [&, from = data_of(src), to = data_of(dst)](
-                                                        ShmComm& c, WaitContext& ctx) {
-               reduce_scaled(c, from, to, count, dtype, op, factor, ctx);
-             });
-             return py::none();
-           },
-           py::arg("bit"), py::arg("nbits"), py::arg("data"), py::arg("src").noconvert(),
-           py::arg("dst").noconvert(),
-           py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("factor") = 1.0,
-           py::arg("timeout_s") = 0.0, py::arg("should_stop") = py::none(),
+      .def("agree_allreduce", &agree_allreduce, py::arg("bit"), py::arg("nbits"), py::arg("data"),
+           py::arg("src").noconvert(), py::arg("dst").noconvert(), py::arg("count"),
+           py::arg("dtype"), py::arg("op"), py::arg("factor") = 1.0, py::arg("timeout_s") = 0.0,
+           py::arg("should_stop") = py::none(),
            "An agreement cycle that runs this rank's one cached allreduce when every rank is\n"
            "ready for it and none has items: None then; else agree()'s (lengths, ready).")
+      .def("express_allreduce",
+           [](PyShm& s, int64_t bit, int64_t nbits, double wait_s, PyShm& data, const py::array& src,
+              const py::array& dst, size_t count, int dtype, int op, double factor, double timeout_s,
+              py::object stop) -> py::object {
+             // A synchronous cached allreduce from the thread that waits for it (the engine's
+             // express path, nbdist/common/agreement.py): publish it as queued, wait up to
+             // wait_s for every peer to have ops queued too (or to have started a cycle),
+             // then agree_allreduce. False when the peers did not come: the op stays
+             // published as queued, and the caller queues it as usual.
+             ShmComm& c = s.comm();
+             c.publish_queued(1);
+             if (!c.peers_queued() && !c.peer_ahead()) {
+               py::gil_scoped_release release;
+               const auto deadline = std::chrono::steady_clock::now() +
+                                     std::chrono::duration<double>(wait_s);
+               // Yield at once: a peer sharing this core gets to submit, and polling the
+               // peers' words in a tight loop would slow the peer's write to them.
+               while (!c.peers_queued() && !c.peer_ahead()) {
+                 if (std::chrono::steady_clock::now() >= deadline) return py::bool_(false);
+                 std::this_thread::yield();
+               }
+             }
+             return agree_allreduce(s, bit, nbits, data, src, dst, count, dtype, op, factor,
+                                    timeout_s, stop);
+           },
+           py::arg("bit"), py::arg("nbits"), py::arg("wait_s"), py::arg("data"),
+           py::arg("src").noconvert(), py::arg("dst").noconvert(), py::arg("count"),
+           py::arg("dtype"), py::arg("op"), py::arg("factor") = 1.0, py::arg("timeout_s") = 0.0,
+           py::arg("should_stop") = py::none(),
+           "agree_allreduce once every peer has ops queued, waiting up to wait_s for that:\n"
+           "False when they did not (the op is published as queued), else agree_allreduce's.")
       .def("reduce",
            [](PyShm& s, const py::array& buf, size_t count, int dtype, int op, int root,
               double timeout_s, py::object stop) {

@@ -33,14 +33,18 @@ import time
 
 import numpy as np
 
-from . import timeline
+from . import buffers, timeline
 from .negotiation import Coordinator
-from .requests import ALLREDUCE, Request
+from .requests import ALLREDUCE, Handle, Request
+from .transports._dtypes import dtype_code, op_code
 
 DEMOTE_S = 0.25  # a cached op waiting longer than this is sent in full (stall bookkeeping)
 KEEPALIVE_S = 0.5  # with ops in flight, cycle at least this often (dead-peer detection)
 STALL_CHECK_INTERVAL_S = 0.05  # rank 0 looks for timed-out ops at most this often
 CONTROL_SLOT_BYTES = 64 * 1024
+# How long a synchronous cached op waits for its peers to queue it too before it is
+# queued as usual (express_allreduce); a fraction of the engine's DRIVE_WAIT_S.
+EXPRESS_WAIT_S = 1e-3
 CONTROL_SPIN, CONTROL_YIELDS = 50, 8  # polls before yielding, and before the futex sleep
 
 
@@ -82,8 +86,11 @@ class ShmAgreement:
         self.last_stall_check = 0.0
         self.last_cycle = 0.0
         self.news = False
-        # cycles; those with items; ops run by the vote's own native call (_vote_and_run_one)
-        self.stats = {"cycles": 0, "item_cycles": 0, "ran_with_vote": 0}
+        # cycles; those with items; ops run by the vote's own native call (_vote_and_run_one,
+        # express_allreduce); of those, ops that had no Request or Handle (express_allreduce)
+        self.stats = {"cycles": 0, "item_cycles": 0, "ran_with_vote": 0, "express": 0}
+        # name -> what express_allreduce needs of that cached op (see _express_plan)
+        self._express_plans: dict[str, tuple] = {}
 
     # -- what this rank has to say --------------------------------------------------------
     def _bit_ok(self, name: str) -> bool:
@@ -162,13 +169,17 @@ class ShmAgreement:
         return self.native.peer_ahead()
 
     # -- one cycle, collective over the engine's ranks ---------------------------------------
-    def cycle(self, items: list[tuple]) -> None:
-        eng, coord, size = self.engine, self.coord, self.size
+    def _begin_cycle(self) -> int:
+        """A cycle starts: its bookkeeping; the vote's number of cache slots (the same on
+        every rank: replicas)."""
         self.last_cycle = time.monotonic()
         self.news = False
         self.native.publish_queued(len(self.bit_pending))
         self.stats["cycles"] += 1
-        nbits = -(-len(coord.cache_by_id) // 16) * 16  # the same on every rank (replicas)
+        return -(-len(self.coord.cache_by_id) // 16) * 16
+
+    def cycle(self, items: list[tuple]) -> None:
+        nbits = self._begin_cycle()
         voted = None if items else self._vote_and_run_one(nbits)
         if voted is _RAN:
             return
@@ -179,6 +190,12 @@ class ShmAgreement:
             lengths, ready = self.seg.agree(len(payload), list(self.bit_pending), nbits)
         else:
             lengths, ready = voted
+        self._after_vote(payload, lengths, ready)
+
+    def _after_vote(self, payload: bytes, lengths: list[int], ready: list[int]) -> None:
+        """The rest of a cycle once the vote is in: the items' allgather, the replicas, the
+        units to run."""
+        eng, coord, size = self.engine, self.coord, self.size
         units: list[list] = []
         if any(lengths):  # some rank sent items: new or changed ops, aborts, timeouts
             self.stats["item_cycles"] += 1
@@ -255,7 +272,7 @@ class ShmAgreement:
         if resp.kind != ALLREDUCE:
             return None
         executor = self.engine.executor
-        plan = executor.plan_allreduce(resp, req)
+        plan = executor.plan_allreduce(resp, req.array, req.inplace)
         if plan is None:
             return None
         transport, src, out, op, factor = plan
@@ -267,6 +284,76 @@ class ShmAgreement:
         eng = self.engine
         executor.complete_planned(resp, req, out, eng._local, eng._release_names)
         return _RAN
+
+    def express_allreduce(self, name: str, array: np.ndarray, inplace: bool, sig: tuple):
+        """A synchronous allreduce of a cached op, from the thread that waits for it
+        (Engine.express_allreduce holds the lock): no Request, Handle or queue when the peers
+        are ready for it.
+
+        When this rank has nothing else in flight and `name` is cached with this signature,
+        one native call publishes the op as queued, waits a moment (EXPRESS_WAIT_S) for
+        every peer to have ops queued too, and runs the cycle's vote and, when every rank
+        is ready for just this op, the bytes (as _vote_and_run_one). Returns the result
+        then; a Handle when the op must wait after all (it is then pending as a cache bit,
+        as submit() and prepare() leave it); None when this path does not apply (nothing
+        was done).
+        """
+        eng, coord = self.engine, self.coord
+        if (eng._queue or eng._local or eng._control or self.bit_pending or coord.ready
+                or timeline.active() is not None or not self._bit_ok(name)):
+            return None
+        plan = self._express_plans.get(name)
+        if plan is None or plan[1] != sig:
+            plan = self._express_plan(name, array, inplace, sig)
+            if plan is None:
+                return None
+        cid, _, transport, dtype, op, factor = plan
+        out = array if inplace else buffers.empty_like(array)
+        voted = self.seg.express_allreduce(cid, -(-len(coord.cache_by_id) // 16) * 16,
+                                           EXPRESS_WAIT_S, transport, array, out, dtype, op,
+                                           factor)
+        if voted is not False:
+            self.last_cycle = time.monotonic()
+        if voted is None:
+            stats = self.stats
+            stats["cycles"] += 1
+            stats["ran_with_vote"] += 1
+            stats["express"] += 1
+            eng.executor.count_planned()
+            return out
+        # Not run now: the op waits as this rank's cache bit, as if submitted.
+        req = Request(name=name, kind=ALLREDUCE, array=array, inplace=inplace, signature=sig,
+                      handle=Handle(name))
+        req.handle.engine = eng
+        with eng._cv:
+            eng._names_in_flight.add(name)
+        req.sent_at = time.monotonic()
+        eng._local[name] = req
+        self.bit_pending[cid] = req
+        if voted is False:  # the peers did not queue it yet: as prepare() leaves a new bit
+            self.news = True
+        else:  # the peers are in this cycle: finish it
+            self.news = False
+            self.stats["cycles"] += 1
+            self._after_vote(b"", *voted)
+        return req.handle
+
+    def _express_plan(self, name: str, array: np.ndarray, inplace: bool, sig: tuple):
+        """What express_allreduce needs of a cached op, worked out once per name: (cache id,
+        signature, data transport, native dtype and op codes, factor); None when the op is
+        not cached with this signature or is not one native allreduce_into."""
+        coord = self.coord
+        cid = coord.cache_by_name.get(name)
+        if cid is None or coord.cache_by_id[cid].sigs.get(self.rank) != sig:
+            return None
+        planned = self.engine.executor.plan_allreduce(coord.cache_by_id[cid].response, array,
+                                                      inplace)
+        if planned is None or not hasattr(planned[0], "express_allreduce"):
+            return None
+        transport, _, _, op, factor = planned
+        plan = (cid, sig, transport, dtype_code(array.dtype), op_code(op), factor)
+        self._express_plans[name] = plan
+        return plan
 
     def close(self, reason: str) -> None:
         """Release peers that wait in a cycle for this rank, then unmap the segment."""

@@ -46,12 +46,13 @@ from . import buffers, errors, timeline, world
 from .config import env_str
 from .execution import Executor
 from .negotiation import Coordinator
-from .requests import Request, Response
+from .requests import Handle, Request, Response
 
 TAG_TO_COORDINATOR = 11
 TAG_FROM_COORDINATOR = 12
 COORDINATOR = 0
 _SIGINT = int(signal.SIGINT)
+_MAIN_THREAD_ID = threading.main_thread().ident  # only it gets KeyboardInterrupt
 STALL_CHECK_INTERVAL_S = 0.05  # rank 0 looks for stalled ops at most this often
 # How long a waiting thread runs the shm agreement itself (Engine.drive) for peers to
 # submit the op too before it leaves the wait to the engine thread: long enough for
@@ -264,6 +265,42 @@ class Engine:
             if not handle.done() or self._local or agreement.peer_ahead():
                 agreement.ring()
             deferred.__exit__()
+
+    def express_allreduce(self, name: str, array, inplace: bool, sig: tuple):
+        """A synchronous allreduce of an op the response cache knows, run by this (calling)
+        thread with no Request, Handle or queue (ShmAgreement.express_allreduce).
+
+        The result array when it ran; a Handle to synchronize when the op had to wait
+        after all (this thread drove it for a moment, as drive() does); None when the path
+        does not apply (no shm agreement, other ops in flight, the engine thread in a long
+        cycle, an op not cached): then nothing was done and the caller submits as usual.
+        """
+        agreement = self.agreement
+        if agreement is None or self._broken or self._stopping:
+            return None
+        lock = agreement.lock
+        if not (lock.acquire(False) or lock.acquire(timeout=DRIVE_WAIT_S)):
+            return None
+        deferred = _DeferredSigint()
+        result = None
+        try:
+            deferred.__enter__()
+            agreement.hold(True)
+            result = agreement.express_allreduce(name, array, inplace, sig)
+            if result.__class__ is Handle:
+                self._drive_locked(agreement, result)
+        except BaseException as exc:
+            self._runtime_failed(exc)
+            if result is None:  # the op had no handle yet to carry the error
+                raise errors.RuntimeBrokenError(str(self._broken)) from None
+        finally:
+            agreement.hold(False)
+            lock.release()
+            if ((result.__class__ is Handle and not result.done()) or self._local
+                    or self._queue or agreement.peer_ahead()):
+                agreement.ring()
+            deferred.__exit__()
+        return result
 
     def _drive_locked(self, agreement, handle) -> None:
         deadline = 0.0
@@ -649,7 +686,7 @@ class _DeferredSigint:
         self.frame = frame or sys._getframe(0)
 
     def __enter__(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
+        if threading.get_ident() != _MAIN_THREAD_ID:
             return
         if _signal.getsignal(_SIGINT) is None:
             return

@@ -88,20 +88,20 @@ class Executor:
             return 1.0
         return post if dtype.char in "fd" else None
 
-    def plan_allreduce(self, resp: Response, req: Request) -> tuple | None:
-        """How this rank runs `resp`, a unit of its own, as one native allreduce_into:
-        (transport, input, output, transport op, factor); None when it needs the general path
-        (a GPU buffer, a prescale, a transport without allreduce_into, Python-side scaling)."""
+    def plan_allreduce(self, resp: Response, array: np.ndarray, inplace: bool) -> tuple | None:
+        """How this rank runs `resp`, a unit of its own over `array`, as one native
+        allreduce_into: (transport, input, output, transport op, factor); None when it needs
+        the general path (a GPU buffer, a prescale, a transport without allreduce_into,
+        Python-side scaling)."""
         if resp.device != "cpu" or resp.prescale != 1.0:
             return None
         transport = self.choose("cpu", ALLREDUCE)
         if not hasattr(transport, "allreduce_into"):
             return None
-        array = req.array
         factor = self._native_factor(resp, array.dtype)
         if factor is None:
             return None
-        out = array if req.inplace else buffers.empty_like(array)
+        out = array if inplace else buffers.empty_like(array)
         return transport, array, out, self._transport_op(resp.op), factor
 
     def complete_planned(self, resp: Response, req: Request, out: np.ndarray,
@@ -111,11 +111,15 @@ class Executor:
         as run_unit would have."""
         del local[req.name]
         release([req.name])
+        self.count_planned()
+        req.handle.set_result(out)
+
+    def count_planned(self) -> None:
+        """The stats of one planned allreduce that ran outside run_unit."""
         stats = self.stats
         stats["units"] += 1
         stats["allreduce_ops"] += 1
         stats["allreduce_units"] += 1
-        req.handle.set_result(out)
 
     @staticmethod
     def _traced(kind: str, reqs, phase: str):
@@ -221,7 +225,7 @@ class Executor:
             self._device_op(unit, reqs)
             return
         if len(unit) == 1 and reqs[0] is not None:
-            plan = self.plan_allreduce(first, reqs[0])
+            plan = self.plan_allreduce(first, reqs[0].array, reqs[0].inplace)
             if plan is not None:
                 transport, src, out, op, factor = plan
                 traced = self._traced(ALLREDUCE, reqs, self._transport_phase(transport, ALLREDUCE))

@@ -32,38 +32,45 @@ def _device_of(obj) -> str:
 
 def as_array(obj: Any, what: str, inplace: bool = False) -> np.ndarray:
     """The numpy view of an op's input, or a clear TypeError/ValueError naming the problem."""
-    if isinstance(obj, (list, tuple)):
-        raise TypeError(f"{what} expects a numpy array (or another buffer-protocol array), "
-                        f"got a Python {type(obj).__name__}; wrap it with numpy.asarray(...)")
-    if _device_of(obj) != "cpu":
-        raise TypeError(f"{what}: GPU buffers are supported by allreduce_ and broadcast_ "
-                        "(in place, through NCCL); move the data to the CPU for this op")
-    if isinstance(obj, np.ndarray):
+    if obj.__class__ is np.ndarray:  # the common case first: a numpy array is on the CPU
         array = obj
     else:
-        try:
-            view = memoryview(obj)
-        except TypeError:
-            raise TypeError(f"{what} expects a numpy array or a buffer-protocol object, "
-                            f"got {type(obj).__name__}") from None
-        if not view.c_contiguous:
-            raise ValueError(f"{what}: the buffer is not C-contiguous; pass a contiguous copy")
-        array = np.asarray(view)
-    if array.dtype == object:
-        raise TypeError(f"{what}: arrays of Python objects (dtype=object) cannot be sent; "
-                        "use broadcast_object / allgather_object for Python objects")
-    if array.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"{what}: dtype {dtype_name(array.dtype)} is not supported; use one of "
+        if isinstance(obj, (list, tuple)):
+            raise TypeError(f"{what} expects a numpy array (or another buffer-protocol array), "
+                            f"got a Python {type(obj).__name__}; wrap it with "
+                            "numpy.asarray(...)")
+        if _device_of(obj) != "cpu":
+            raise TypeError(f"{what}: GPU buffers are supported by allreduce_ and broadcast_ "
+                            "(in place, through NCCL); move the data to the CPU for this op")
+        if isinstance(obj, np.ndarray):  # a subclass (a memmap, say)
+            array = obj
+        else:
+            try:
+                view = memoryview(obj)
+            except TypeError:
+                raise TypeError(f"{what} expects a numpy array or a buffer-protocol object, "
+                                f"got {type(obj).__name__}") from None
+            if not view.c_contiguous:
+                raise ValueError(f"{what}: the buffer is not C-contiguous; pass a contiguous "
+                                 "copy")
+            array = np.asarray(view)
+    dtype = array.dtype
+    if dtype not in SUPPORTED_DTYPES:
+        if dtype.kind == "O":
+            raise TypeError(f"{what}: arrays of Python objects (dtype=object) cannot be sent; "
+                            "use broadcast_object / allgather_object for Python objects")
+        raise TypeError(f"{what}: dtype {dtype_name(dtype)} is not supported; use one of "
                         + ", ".join(sorted(dtype_name(d) for d in SUPPORTED_DTYPES)))
+    flags = array.flags
     if inplace:
-        if not array.flags.c_contiguous:
+        if not flags.c_contiguous:
             raise ValueError(f"{what} (in place) needs a C-contiguous array; this one is a "
                              "strided view: pass numpy.ascontiguousarray(a) and use the result")
-        if not array.flags.writeable:
+        if not flags.writeable:
             raise ValueError(f"{what} (in place) needs a writeable array")
         return array
     # (np.ascontiguousarray would turn a 0-d array into shape (1,))
-    return array if array.flags.c_contiguous else np.ascontiguousarray(array)
+    return array if flags.c_contiguous else np.ascontiguousarray(array)
 
 
 class GPUBuffer:
@@ -302,46 +309,67 @@ def synchronize(handle: Handle):
         while not handle.wait(0.1):
             pass
     except KeyboardInterrupt:
-        if basics.is_initialized():
-            basics.engine().abort(f"rank {basics.rank()} was interrupted while waiting for "
-                                  f"'{handle.name}'")
+        _abort_interrupted(handle.name)
         raise
     return handle.result()
 
 
+def _abort_interrupted(name: str) -> None:
+    """Ctrl-C while this rank waited for op `name`: abort its ops on every rank."""
+    if basics.is_initialized():
+        basics.engine().abort(f"rank {basics.rank()} was interrupted while waiting for "
+                              f"'{name}'")
+
+
 # -- allreduce -----------------------------------------------------------------------------
+def _allreduce(array, op, name: str | None, prescale: float, postscale: float, process_set,
+               inplace: bool, wait: bool):
+    """Every allreduce form: checks, then the op submitted (its Handle) or, with `wait`, its
+    result. A waited-for CPU op with a name the response cache knows may run at once in
+    this thread (Engine.express_allreduce) with no Request or Handle."""
+    what = "allreduce_" if inplace else "allreduce"
+    engine, _ = process_sets.resolve(process_set, what)
+    if inplace and _device_of(array) != "cpu":
+        if op == ReduceOp.Adasum:
+            raise NotImplementedError("allreduce_: op=Adasum runs on CPU arrays only in nbdist")
+        handle = _submit_gpu(ALLREDUCE, array, name, what, engine=engine,
+                             op=resolve_op(op, what), prescale=prescale,  # type: ignore[arg-type]
+                             postscale=postscale)
+        return synchronize(handle) if wait else handle
+    a = as_array(array, what, inplace=inplace)
+    op = resolve_op(op, what, a.dtype)
+    if op == ReduceOp.Adasum:
+        handle = _adasum_submit(a, name, engine, prescale, postscale, inplace, what)
+        return synchronize(handle) if wait else handle
+    if (wait and name.__class__ is str and engine.agreement is not None
+            and prescale == 1.0):
+        sig = signature(ALLREDUCE, a, op=op, postscale=postscale)
+        try:
+            done = engine.express_allreduce(name, a, inplace, sig)
+        except KeyboardInterrupt:
+            _abort_interrupted(name)  # type: ignore[arg-type]
+            raise
+        if done is not None:
+            return synchronize(done) if done.__class__ is Handle else done
+    handle = _submit(ALLREDUCE, a, name, inplace=inplace, engine=engine, op=op,
+                     prescale=prescale, postscale=postscale)
+    return synchronize(handle) if wait else handle
+
+
 def allreduce_async(array, op=ReduceOp.Average, name: str | None = None,
                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set=None) -> Handle:
     """Start an allreduce; the result is a new array."""
-    engine, _ = process_sets.resolve(process_set, "allreduce")
-    a = as_array(array, "allreduce")
-    op = resolve_op(op, "allreduce", a.dtype)
-    if op == ReduceOp.Adasum:
-        return _adasum_submit(a, name, engine, prescale_factor, postscale_factor, False,
-                              "allreduce")
-    return _submit(ALLREDUCE, a, name, engine=engine, op=op, prescale=prescale_factor,
-                   postscale=postscale_factor)
+    return _allreduce(array, op, name, prescale_factor, postscale_factor, process_set,
+                      inplace=False, wait=False)
 
 
 def allreduce_async_(array, op=ReduceOp.Average, name: str | None = None,
                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      process_set=None) -> Handle:
     """Start an allreduce that writes its result into `array` (a GPU array goes through NCCL)."""
-    engine, _ = process_sets.resolve(process_set, "allreduce_")
-    if _device_of(array) != "cpu":
-        if op == ReduceOp.Adasum:
-            raise NotImplementedError("allreduce_: op=Adasum runs on CPU arrays only in nbdist")
-        return _submit_gpu(ALLREDUCE, array, name, "allreduce_", engine=engine,
-                           op=resolve_op(op, "allreduce_"), prescale=prescale_factor,  # type: ignore[arg-type]
-                           postscale=postscale_factor)
-    a = as_array(array, "allreduce_", inplace=True)
-    op = resolve_op(op, "allreduce_", a.dtype)
-    if op == ReduceOp.Adasum:
-        return _adasum_submit(a, name, engine, prescale_factor, postscale_factor, True,
-                              "allreduce_")
-    return _submit(ALLREDUCE, a, name, inplace=True, engine=engine, op=op,
-                   prescale=prescale_factor, postscale=postscale_factor)
+    return _allreduce(array, op, name, prescale_factor, postscale_factor, process_set,
+                      inplace=True, wait=False)
 
 
 @blocking
@@ -349,8 +377,8 @@ def allreduce(array, op=ReduceOp.Average, name: str | None = None,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
               process_set=None) -> np.ndarray:
     """Reduce `array` over all ranks (Average by default); returns a new array."""
-    return synchronize(allreduce_async(array, op, name, prescale_factor, postscale_factor,
-                                       process_set))
+    return _allreduce(array, op, name, prescale_factor, postscale_factor, process_set,
+                      inplace=False, wait=True)
 
 
 @blocking
@@ -358,8 +386,8 @@ def allreduce_(array, op=ReduceOp.Average, name: str | None = None,
                prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                process_set=None) -> np.ndarray:
     """Reduce `array` over all ranks in place; returns `array`."""
-    return synchronize(allreduce_async_(array, op, name, prescale_factor, postscale_factor,
-                                        process_set))
+    return _allreduce(array, op, name, prescale_factor, postscale_factor, process_set,
+                      inplace=True, wait=True)
 
 
 def _group_names(name: str | None, count: int) -> list[str | None]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from typing import Sequence
 
-from . import errors
+from . import basics, errors
 
 
 class ProcessSet:
@@ -52,15 +52,11 @@ class ProcessSet:
         """This rank's index in the set (None while not registered, or not a member)."""
         if self.process_set_id is None:
             return None
-        from . import basics
-
         ranks = _ranks_of(self)
         return ranks.index(basics.rank()) if basics.rank() in ranks else None
 
     def included(self) -> bool | None:
         """True when this rank belongs to the set."""
-        from . import basics
-
         ranks = self.ranks if self.process_set_id != 0 else list(range(basics.size()))
         return None if ranks is None else basics.rank() in ranks
 
@@ -90,8 +86,6 @@ _next_id = [1]
 
 
 def _ranks_of(process_set: ProcessSet) -> list[int]:
-    from . import basics
-
     if process_set.process_set_id == 0:
         return list(range(basics.size()))
     return list(process_set.ranks or [])
@@ -99,8 +93,6 @@ def _ranks_of(process_set: ProcessSet) -> list[int]:
 
 def _build(process_set: ProcessSet) -> ProcessSet:
     """Create the set on every rank (collective over the world); returns it registered."""
-    from . import basics
-
     world_topology = basics.topology()
     world = world_topology.world
     size, rank = world_topology.size, world_topology.rank
@@ -223,8 +215,6 @@ def is_member(process_set) -> bool:
 
 def size_of(process_set) -> int:
     """The number of ranks an op on `process_set` (None: the global set) runs over."""
-    from . import basics
-
     return basics.size() if is_global(process_set) else len(process_set.ranks or [])
 
 
@@ -233,8 +223,6 @@ def rank_in(process_set) -> int:
 
     Call it only on a member (ops on a set have been resolve()d first).
     """
-    from . import basics
-
     if is_global(process_set):
         return basics.rank()
     return list(process_set.ranks or []).index(basics.rank())
@@ -243,8 +231,6 @@ def rank_in(process_set) -> int:
 def resolve(process_set, what: str):
     """(engine, set ranks) for an op on `process_set` (None: the global set); clear errors
     for a set that is not registered or does not hold this rank."""
-    from . import basics
-
     if process_set is None or process_set is global_process_set:
         return basics.engine(), None
     if not isinstance(process_set, ProcessSet):

@@ -249,6 +249,22 @@ class ShmTransport(Transport):
         return self._call("agree_allreduce", bit, nbits, data._native, src, dst, dst.size,
                           dtype_code(dst.dtype), op_code(op), factor)
 
+    def express_allreduce(self, bit: int, nbits: int, wait_s: float, data: "ShmTransport",
+                          src: np.ndarray, dst: np.ndarray, dtype: int, op: int, factor: float):
+        """agree_allreduce once every peer has ops queued (waiting up to wait_s for that),
+        with the dtype and op as native codes (the caller worked them out once): False when
+        the peers did not come (this rank's queued word says 1), else agree_allreduce's."""
+        native = self._native
+        if native is None or data._native is None:
+            raise TransportError(f"the shm transport on rank {self.global_rank} is closed")
+        try:
+            return native.express_allreduce(bit, nbits, wait_s, data._native, src, dst, dst.size,
+                                            dtype, op, factor, self.timeout_s, self.should_stop)
+        except RuntimeError as exc:
+            if isinstance(exc, TransportError):
+                raise
+            raise TransportError(str(exc)) from None
+
     # -- failure and recovery --------------------------------------------------------------
     def abort(self, reason: str) -> None:
         """Fail the op running on every rank of the node (callable from any thread)."""
