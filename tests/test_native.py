@@ -81,13 +81,14 @@ def test_hierarchical_with_pretend_nodes(n, local_size):
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.parametrize("path", ["transport", "api"])
 @pytest.mark.parametrize("n", RANKS)
-def test_sigkill_releases_peers_and_leaves_no_segment(n, tmp_path):
+def test_sigkill_releases_peers_and_leaves_no_segment(n, path, tmp_path):
     script = ROOT / "tests" / "ranks" / "native_sigkill.py"
     # A shell between mpiexec and each rank takes mpiexec's clean-up signals, and each
     # rank moves to a session of its own so that hydra's kill(-pgid) misses it (see the script).
     cmd = [MPIEXEC, "-disable-auto-cleanup", "-n", str(n), "sh", "-c", f'"{sys.executable}" "{script}"']
-    env = rank_env(NBDIST_SIGKILL_DIR=str(tmp_path))
+    env = rank_env(NBDIST_SIGKILL_DIR=str(tmp_path), NBDIST_SIGKILL_PATH=path)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     report = {}
@@ -116,14 +117,15 @@ def test_sigkill_releases_peers_and_leaves_no_segment(n, tmp_path):
                     pass
     files = {p.name: p.read_text() for p in tmp_path.iterdir()}
     assert "segment" in files and "killed" in files, (report, out[-4000:])
-    segment, killed_at = files["segment"], float(files["killed"])
+    segments, killed_at = files["segment"].split(), float(files["killed"])
     released = {int(k.split(".")[1]): v for k, v in files.items() if k.startswith("released.")}
     assert sorted(released) == list(range(n - 1)), (report, out[-4000:])
     for rank, text in released.items():
         at, message = text.split(" ", 1)
         assert float(at) - killed_at < 1.0, f"rank {rank} released {float(at) - killed_at:.2f} s late"
         assert f"rank {n - 1}" in message and "died" in message, message
-    assert not os.path.exists("/dev/shm" + segment)
+    for segment in segments:
+        assert not os.path.exists("/dev/shm" + segment), segment
 
 
 def _sigkill_rank_report(d, n: int) -> dict:

@@ -419,3 +419,64 @@ def test_ranks_that_run_an_op_with_the_vote_meet_ranks_that_cannot():
             ry = hvd.allreduce(y, op=hvd.Sum, name="mix.y")
         np.testing.assert_array_equal(rx, np.full(8, total, np.float32))
         np.testing.assert_array_equal(ry, np.full(4, 10.0 * total))
+
+
+def _express_count() -> int:
+    agreement = hvd.basics.engine().agreement
+    return agreement.stats["express"] if agreement is not None else 0
+
+
+def test_repeated_sync_allreduces_run_in_the_calling_thread():
+    # A synchronous allreduce of a name the response cache knows runs in one native call of
+    # the calling thread on one node (Engine.express_allreduce): no queue, no handle.
+    before = _express_count()
+    for step in range(20):
+        x = np.full(16, RANK + step, np.float32)
+        got = hvd.allreduce(x, op=hvd.Sum, name="express.sum")
+        total = sum(r + step for r in range(SIZE))
+        np.testing.assert_array_equal(got, np.full(16, total, np.float32))
+        y = np.full(4, float(RANK))
+        assert hvd.allreduce_(y, name="express.average") is y
+        np.testing.assert_allclose(y, np.full(4, (SIZE - 1) / 2))
+    if hvd.basics.engine().agreement is not None and SIZE > 1:
+        assert _express_count() > before
+
+
+def test_cached_sync_allreduce_waits_as_usual_for_a_late_peer():
+    # The last rank comes later than the express path waits: the others' ops are queued as
+    # usual and complete when it arrives.
+    hvd.allreduce(np.ones(2, np.float32), name="late.x")  # cached from now on
+    for step in range(3):
+        if RANK == SIZE - 1:
+            time.sleep(0.05)
+        got = hvd.allreduce(np.full(2, RANK + step, np.float32), op=hvd.Sum, name="late.x")
+        np.testing.assert_array_equal(got, np.full(2, sum(r + step for r in range(SIZE))))
+
+
+def test_cached_sync_allreduce_meets_a_peer_with_a_new_op():
+    # Rank 0 queues a new op (items in the vote) before the cached one; the others' cached
+    # op then finds those items in its vote, and every rank runs both ops.
+    x = np.full(3, RANK + 1.0)
+    total = SIZE * (SIZE + 1) / 2
+    hvd.allreduce(x, op=hvd.Sum, name="items.cached")
+    for step in range(5):
+        new = np.full(2, 1.0)
+        if RANK == 0:
+            handle = hvd.allreduce_async(new, op=hvd.Sum, name=f"items.new.{step}")
+            got = hvd.allreduce(x, op=hvd.Sum, name="items.cached")
+            summed = hvd.synchronize(handle)
+        else:
+            got = hvd.allreduce(x, op=hvd.Sum, name="items.cached")
+            summed = hvd.allreduce(new, op=hvd.Sum, name=f"items.new.{step}")
+        assert got.tolist() == [total] * 3
+        assert summed.tolist() == [float(SIZE)] * 2
+
+
+def test_changed_shape_under_a_cached_name_is_a_mismatch():
+    for _ in range(2):
+        hvd.allreduce(np.ones(4), name="reshape.x")
+    shape = (5,) if RANK == 0 else (4,)
+    with pytest.raises(hvd.MismatchError, match="reshape.x"):
+        hvd.allreduce(np.ones(shape), name="reshape.x")
+    got = hvd.allreduce(np.ones(4), op=hvd.Sum, name="reshape.x")
+    np.testing.assert_array_equal(got, np.full(4, float(SIZE)))

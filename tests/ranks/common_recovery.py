@@ -43,6 +43,21 @@ def test_interrupted_rank_while_peers_are_elsewhere(round_):
     _check_works(f"asym-{round_}-again")
 
 
+def test_interrupted_in_a_cached_op_while_peers_are_elsewhere():
+    """As above with an op the response cache knows: rank 0's synchronous call goes the
+    express way (Engine.express_allreduce), finds no peer, and waits as a queued op."""
+    hvd.allreduce(np.ones(3), name="asym-cached")
+    if R == 0:
+        _interrupt_me_in(1.0)
+        with pytest.raises(KeyboardInterrupt):
+            hvd.allreduce(np.ones(3), name="asym-cached")
+    else:
+        time.sleep(1.5)
+    _check_works("asym-cached")
+    got = hvd.allreduce(np.ones(3), op=hvd.Sum, name="asym-cached")
+    assert got.tolist() == [N] * 3
+
+
 def test_raise_while_one_rank_is_idle():
     """The last rank raises and aborts while rank 0 waits in a collective; the middle
     ranks sleep through it. Then everyone's next collectives work."""

@@ -11,6 +11,10 @@ ranks live on, and each must leave its wait within a second, naming the dead ran
 Results and per-rank diagnostics go to files in $NBDIST_SIGKILL_DIR (mpiexec's output
 pipes may be gone by then): started.R, pid.R, released.R, error.R, stack.R (a Python
 stack dump on SIGUSR2, which the test sends to a rank that is still running).
+
+NBDIST_SIGKILL_PATH=api runs the user's path instead of the transport alone: a named
+4 KiB hvd.allreduce_ repeated, which the engine runs in the calling thread's one native
+call (Engine.express_allreduce); the survivors must fail it naming the dead rank too.
 """
 import faulthandler
 import os
@@ -48,24 +52,53 @@ record(f"started.{RANK}", _pre)
 record(f"pid.{RANK}", str(os.getpid()))
 _stack = open(OUT / f"stack.{RANK}", "w")
 faulthandler.register(signal.SIGUSR2, file=_stack, all_threads=True)
-try:
+
+def transport_path():
+    """The shm transport's allreduce of 4 MiB, its failure, its segments."""
     t = ShmTransport(COMM, RANK, timeout_s=30)
+    buf = np.ones(1 << 20, np.float32)
+
+    def step():
+        t.allreduce(buf, ReduceOp.Sum)
+        buf[:] = 1
+
+    return step, TransportError, [t._native.name]
+
+
+def api_path():
+    """The user's path: a cached synchronous allreduce (the engine's express path)."""
+    import nbdist.common as hvd
+
+    hvd.init()
+    engine = hvd.basics.engine()
+    buf = np.ones(1024, np.float32)
+
+    def step():
+        hvd.allreduce_(buf, op=hvd.Sum, name="sigkill.x")
+        buf[:] = 1
+
+    segments = [engine.agreement.seg._native.name,
+                engine.transports.for_op("cpu", "allreduce")._native.name]
+    return step, hvd.NbdistError, segments
+
+
+try:
+    step, failure, segments = api_path() if os.environ.get("NBDIST_SIGKILL_PATH") == "api" \
+        else transport_path()
     if RANK == 0:
-        record("segment", t._native.name)
+        record("segment", "\n".join(segments))
     COMM.Barrier()
     if RANK == 0:  # MPICH's own segments too: no rank finalizes, so the test removes them
         from nbdist.mpi.reaper import segments_of
 
         record("mapped", "\n".join(sorted(segments_of([psutil.Process()]))))
-    buf = np.ones(1 << 20, np.float32)
     for i in range(1_000_000):
         if RANK == SIZE - 1 and i == 20:
             record("killed", f"{time.monotonic():.6f}")
             os.kill(os.getpid(), signal.SIGKILL)
         try:
-            t.allreduce(buf, ReduceOp.Sum)
-            buf[:] = 1
-        except TransportError as exc:
+            step()
+        except failure as exc:
             record(f"released.{RANK}", f"{time.monotonic():.6f} {exc}")
             os._exit(0)  # MPI cannot finalize with a dead peer
     record(f"error.{RANK}", "finished every allreduce: the dead rank was never noticed")
