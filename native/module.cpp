@@ -38,6 +38,12 @@ void check_factor(int dtype, double factor) {
     throw py::value_error("allreduce_into: a factor other than 1 needs float32 or float64");
 }
 
+// The words of an agreement vote (ShmComm::vote): one per rank, one per cache slot, and
+// the "packed" flag last.
+std::vector<int32_t> vote_words(int n, int64_t nbits) {
+  return std::vector<int32_t>(static_cast<size_t>(n + nbits + 1), 0);
+}
+
 void reduce_scaled(ShmComm& c, const void* src, void* dst, size_t count, int dtype, int op,
                    double factor, WaitContext& ctx) {
   c.allreduce(src, dst, count, dtype, op, ctx);
@@ -97,39 +103,124 @@ class PyShm {
   std::atomic<int> active_{0};
 };
 
+// Quiet: no rank has items, and the op of cache bit `bit` is ready on every rank.
+bool quiet_vote(const int32_t* v, int n, int64_t bit) {
+  if (v[n + bit] == 0) return false;
+  for (int r = 0; r < n; ++r)
+    if (v[r] != 0) return false;
+  return true;
+}
+
+// An allreduce that may travel with the vote (ShmComm::vote); src nullptr: none.
+struct Packed {
+  const void* src = nullptr;
+  void* dst = nullptr;
+  size_t count = 0;
+  int dtype = nbdist::kI32;
+  int op = nbdist::kMin;
+  double factor = 1.0;
+};
+
 // A whole agreement cycle for the commonest case (nbdist/common/agreement.py): this rank's
-// only queued op is one cached allreduce. The vote is agree()'s; when it finds no rank with
-// items and that op ready everywhere, every rank runs that one allreduce next (a rank with
+// only queued op is one cached op (cache bit `bit`). The vote is agree()'s; when it finds no
+// rank with items and that op ready everywhere, every rank runs that one op next (a rank with
 // more queued ops finds the same unit in Python), so it runs here, with no return to Python
-// between the vote and the bytes. Otherwise the vote's answer goes back, as agree() returns it.
-py::object agree_allreduce(PyShm& s, int64_t bit, int64_t nbits, PyShm& data, const py::array& src,
-                           const py::array& dst, size_t count, int dtype, int op, double factor,
-                           double timeout_s, const py::object& stop) {
+// between the vote and the bytes: in the vote itself when `packed` carries it (a small
+// allreduce: one synchronisation for both), else run_data() on the data segment. Returns
+// None when the op ran; else the vote's answer, as agree() returns it.
+template <class RunData>
+py::object agree_then(PyShm& s, int64_t bit, int64_t nbits, const Packed& packed, RunData run_data,
+                      double timeout_s, const py::object& stop) {
   const int n = s.comm().size();
-  if (bit < 0 || bit >= nbits) throw py::value_error("agree_allreduce: cache bit out of range");
-  check_factor(dtype, factor);
-  std::vector<int32_t> vec(static_cast<size_t>(n + nbits), 0);
+  if (bit < 0 || bit >= nbits) throw py::value_error("agreement: cache bit out of range");
+  std::vector<int32_t> vec = vote_words(n, nbits);
   vec[n + bit] = 1;
+  bool ran = false;
   s.run("agreement", timeout_s, stop, [&](ShmComm& c, WaitContext& ctx) {
-    c.allreduce(vec.data(), vec.size(), nbdist::kI32, nbdist::kMin, ctx);
+    ran = c.vote(vec.data(), vec.size(), packed.src, packed.dst, packed.count, packed.dtype,
+                 packed.op,
+                 [&](const int32_t* v) {
+                   if (!quiet_vote(v, n, bit)) return false;
+                   // Consumed before the bytes move: a peer that finishes first and
+                   // submits its next op must not count this rank's bit as still queued.
+                   c.publish_queued(0);
+                   return true;
+                 },
+                 ctx);
+    if (ran && packed.factor != 1.0)
+      nbdist::scale_in_place(packed.dst, packed.count, packed.dtype, packed.factor);
   });
-  bool quiet = vec[n + bit] != 0;
-  for (int r = 0; r < n && quiet; ++r) quiet = vec[r] == 0;
-  if (!quiet) {
+  if (ran) return py::none();
+  if (!quiet_vote(vec.data(), n, bit)) {
     py::list lengths(n);
     for (int r = 0; r < n; ++r) lengths[r] = -static_cast<int64_t>(vec[r]);
     py::list ready;
     if (vec[n + bit] != 0) ready.append(bit);
     return py::make_tuple(lengths, ready);
   }
-  // Consumed before the bytes move: a peer that finishes first and submits its next op
-  // must not count this rank's bit as still queued.
+  // Quiet, but not carried by the vote (too big, or a rank that runs it through Python's
+  // executor did not pack it): on the data segment.
   s.comm().publish_queued(0);
-  data.run("allreduce", timeout_s, stop, [&, from = data_of(src), to = data_of(dst)](
-                                             ShmComm& c, WaitContext& ctx) {
-    reduce_scaled(c, from, to, count, dtype, op, factor, ctx);
-  });
+  run_data();
   return py::none();
+}
+
+py::object agree_allreduce(PyShm& s, int64_t bit, int64_t nbits, PyShm& data, const py::array& src,
+                           const py::array& dst, size_t count, int dtype, int op, double factor,
+                           double timeout_s, const py::object& stop) {
+  check_factor(dtype, factor);
+  Packed packed;
+  // Small enough to travel with the vote: then one synchronisation does both.
+  const size_t words = vote_words(s.comm().size(), nbits).size();
+  if (count * nbdist::dtype_size(dtype) <= s.comm().vote_room(words))
+    packed = {data_of(src), data_of(dst), count, dtype, op, factor};
+  return agree_then(s, bit, nbits, packed, [&]() {
+    data.run("allreduce", timeout_s, stop, [&, from = data_of(src), to = data_of(dst)](
+                                               ShmComm& c, WaitContext& ctx) {
+      reduce_scaled(c, from, to, count, dtype, op, factor, ctx);
+    });
+  }, timeout_s, stop);
+}
+
+py::object agree_allgather(PyShm& s, int64_t bit, int64_t nbits, PyShm& data, const py::array& send,
+                           const py::array& recv, const std::vector<int64_t>& byte_counts,
+                           double timeout_s, const py::object& stop) {
+  return agree_then(s, bit, nbits, Packed{}, [&]() {
+    data.run("allgather", timeout_s, stop, [&, from = data_of(send), to = data_of(recv)](
+                                               ShmComm& c, WaitContext& ctx) {
+      c.allgatherv(from, to, byte_counts, ctx);
+    });
+  }, timeout_s, stop);
+}
+
+// The express path's start (a synchronous cached op from the thread that waits for it,
+// nbdist/common/agreement.py): hold the engine thread's activity watch (this thread joins
+// the peers' cycles now; let go once the op ran, else by the caller), publish the op as
+// queued, and wait up to wait_s for every peer to have ops queued too (or to have started
+// a cycle). False when they did not come: the op stays published as queued.
+bool peers_came(ShmComm& c, double wait_s) {
+  c.hold_activity(true);
+  c.publish_queued(1);
+  if (c.peers_queued() || c.peer_ahead()) return true;
+  py::gil_scoped_release release;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(wait_s);
+  // Yield at once: a peer sharing this core gets to submit, and polling the peers' words
+  // in a tight loop would slow the peer's write to them.
+  while (!c.peers_queued() && !c.peer_ahead()) {
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::yield();
+  }
+  return true;
+}
+
+// peers_came, then the op's agreement cycle; False, None (ran) or the vote's answer.
+template <class Agree>
+py::object express(PyShm& s, double wait_s, Agree agree) {
+  ShmComm& c = s.comm();
+  if (!peers_came(c, wait_s)) return py::bool_(false);
+  py::object voted = agree();
+  if (voted.is_none()) c.hold_activity(false);
+  return voted;
 }
 
 void bind_shm(py::module_& m) {
@@ -188,18 +279,20 @@ void bind_shm(py::module_& m) {
       .def("agree",
            [](PyShm& s, int64_t payload_bytes, const std::vector<int64_t>& bits, int64_t nbits,
               double timeout_s, py::object stop) {
-             // One agreement cycle's first step (nbdist/common/agreement.py): a Min-allreduce of
-             // [-payload bytes per rank..., one slot per cached op: 1 if queued here]. Built and
-             // read here, not in numpy: it runs once per cycle, on the small-op latency path.
+             // One agreement cycle's first step (nbdist/common/agreement.py): a Min over
+             // [-payload bytes per rank..., one word per cached op: 1 if queued here, the
+             // "packed" word (ShmComm::vote)]. Built and read here, not in numpy: it runs
+             // once per cycle, on the small-op latency path.
              const int n = s.comm().size();
-             std::vector<int32_t> vec(static_cast<size_t>(n + nbits), 0);
+             std::vector<int32_t> vec = vote_words(n, nbits);
              vec[s.comm().rank()] = static_cast<int32_t>(-payload_bytes);
              for (int64_t b : bits) {
                if (b < 0 || b >= nbits) throw py::value_error("agree: cache bit out of range");
                vec[n + b] = 1;
              }
              s.run("agreement", timeout_s, stop, [&](ShmComm& c, WaitContext& ctx) {
-               c.allreduce(vec.data(), vec.size(), nbdist::kI32, nbdist::kMin, ctx);
+               c.vote(vec.data(), vec.size(), nullptr, nullptr, 0, nbdist::kI32, nbdist::kMin,
+                      {}, ctx);
              });
              py::list lengths(n);
              for (int r = 0; r < n; ++r) lengths[r] = -static_cast<int64_t>(vec[r]);
@@ -266,34 +359,32 @@ void bind_shm(py::module_& m) {
       .def("express_allreduce",
            [](PyShm& s, int64_t bit, int64_t nbits, double wait_s, PyShm& data, const py::array& src,
               const py::array& dst, size_t count, int dtype, int op, double factor, double timeout_s,
-              py::object stop) -> py::object {
-             // A synchronous cached allreduce from the thread that waits for it (the engine's
-             // express path, nbdist/common/agreement.py): publish it as queued, wait up to
-             // wait_s for every peer to have ops queued too (or to have started a cycle),
-             // then agree_allreduce. False when the peers did not come: the op stays
-             // published as queued, and the caller queues it as usual.
-             ShmComm& c = s.comm();
-             c.publish_queued(1);
-             if (!c.peers_queued() && !c.peer_ahead()) {
-               py::gil_scoped_release release;
-               const auto deadline = std::chrono::steady_clock::now() +
-                                     std::chrono::duration<double>(wait_s);
-               // Yield at once: a peer sharing this core gets to submit, and polling the
-               // peers' words in a tight loop would slow the peer's write to them.
-               while (!c.peers_queued() && !c.peer_ahead()) {
-                 if (std::chrono::steady_clock::now() >= deadline) return py::bool_(false);
-                 std::this_thread::yield();
-               }
-             }
-             return agree_allreduce(s, bit, nbits, data, src, dst, count, dtype, op, factor,
-                                    timeout_s, stop);
+              py::object stop) {
+             return express(s, wait_s, [&]() {
+               return agree_allreduce(s, bit, nbits, data, src, dst, count, dtype, op, factor,
+                                      timeout_s, stop);
+             });
            },
            py::arg("bit"), py::arg("nbits"), py::arg("wait_s"), py::arg("data"),
            py::arg("src").noconvert(), py::arg("dst").noconvert(), py::arg("count"),
            py::arg("dtype"), py::arg("op"), py::arg("factor") = 1.0, py::arg("timeout_s") = 0.0,
            py::arg("should_stop") = py::none(),
            "agree_allreduce once every peer has ops queued, waiting up to wait_s for that:\n"
-           "False when they did not (the op is published as queued), else agree_allreduce's.")
+           "False when they did not (the op is published as queued), else agree_allreduce's.\n"
+           "Holds the activity watch (hold_activity) from the start; lets go when the op ran.")
+      .def("express_allgather",
+           [](PyShm& s, int64_t bit, int64_t nbits, double wait_s, PyShm& data, const py::array& send,
+              const py::array& recv, const std::vector<int64_t>& byte_counts, double timeout_s,
+              py::object stop) {
+             return express(s, wait_s, [&]() {
+               return agree_allgather(s, bit, nbits, data, send, recv, byte_counts, timeout_s,
+                                      stop);
+             });
+           },
+           py::arg("bit"), py::arg("nbits"), py::arg("wait_s"), py::arg("data"),
+           py::arg("send").noconvert(), py::arg("recv").noconvert(), py::arg("byte_counts"),
+           py::arg("timeout_s") = 0.0, py::arg("should_stop") = py::none(),
+           "express_allreduce's path for one cached allgatherv (bytes per rank).")
       .def("reduce",
            [](PyShm& s, const py::array& buf, size_t count, int dtype, int op, int root,
               double timeout_s, py::object stop) {

@@ -160,6 +160,52 @@ void ShmComm::allreduce_small(const char* src, char* dst, size_t bytes, size_t c
   release_set(s, read);
 }
 
+size_t ShmComm::vote_room(size_t words) const {
+  const size_t head = round_up(words * sizeof(int32_t), 64);
+  const size_t cap = std::min(slot_bytes_, small_bytes_);
+  return head < cap ? cap - head : 0;
+}
+
+bool ShmComm::vote(int32_t* vec, size_t words, const void* src, void* dst, size_t count,
+                   int dtype, int op, const std::function<bool(const int32_t*)>& may_run,
+                   WaitContext& ctx) {
+  const size_t head = round_up(words * sizeof(int32_t), 64);
+  const size_t bytes = src ? count * dtype_size(dtype) : 0;
+  ReduceFn fn = src ? kernel_or_throw(dtype, op, ctx.what) : nullptr;
+  if (words == 0 || words * sizeof(int32_t) > std::min(slot_bytes_, small_bytes_))
+    throw std::invalid_argument("shm vote: the words do not fit a slot");
+  if (src && bytes > vote_room(words))
+    throw std::invalid_argument("shm vote: the packed data does not fit behind the words");
+  check_not_aborted(ctx);
+  if (n_ == 1) {
+    vec[words - 1] = src ? 1 : 0;
+    if (!src || !may_run(vec)) return false;
+    if (src != dst) std::memcpy(dst, src, bytes);
+    return true;
+  }
+  vec[words - 1] = src ? 1 : 0;  // the "packed" flag (the caller leaves the last word for it)
+  int s = acquire_set(true, ctx);
+  char* slot = seg_.slot(s, rank_);
+  std::memcpy(slot, vec, words * sizeof(int32_t));
+  if (src) std::memcpy(slot + head, src, bytes);
+  uint64_t copied = next_phase();
+  post(copied);
+  wait_all(copied, ctx);
+  std::vector<const void*> srcs(n_);
+  for (int p = 0; p < n_; ++p) srcs[p] = seg_.slot(s, p);
+  reduce_kernel(kI32, kMin)(vec, srcs.data(), n_, words);
+  bool ran = false;
+  if (src && vec[words - 1] == 1 && may_run(vec)) {
+    for (int p = 0; p < n_; ++p) srcs[p] = seg_.slot(s, p) + head;
+    if (count) fn(dst, srcs.data(), n_, count);
+    ran = true;
+  }
+  uint64_t read = next_phase();
+  post(read);
+  release_set(s, read);
+  return ran;
+}
+
 // Large buffers: per chunk, copy in; each rank reduces its own slice (a
 // reduce-scatter); then the reduced slices are copied out (an allgather, or to
 // `root` only when root >= 0). The input is read from `in` and the result written

@@ -89,6 +89,19 @@ class ShmComm {
                  const std::vector<int64_t>& recv_bytes, WaitContext& ctx);
   void barrier(WaitContext& ctx);
 
+  // The engine agreement's vote: a Min over `words` int32 words (`vec`, replaced by the
+  // result), in one synchronisation. This rank may pack its data for one allreduce behind
+  // the words (`src`, `count` elements of `dtype`; nullptr: none): the last word is each
+  // rank's "packed" flag, so its Min is 1 only when every rank packed. Then, when
+  // `may_run(result)` says the vote lets that allreduce run, it is reduced from the
+  // slots into `dst` in the same synchronisation (in rank order, as a small allreduce):
+  // the vote and the bytes of a cached op cost one round instead of two. Returns
+  // whether it ran. Every rank must call this (or allreduce of the same words) alike.
+  bool vote(int32_t* vec, size_t words, const void* src, void* dst, size_t count, int dtype,
+            int op, const std::function<bool(const int32_t*)>& may_run, WaitContext& ctx);
+  // Bytes of data vote() can pack behind `words` words.
+  size_t vote_room(size_t words) const;
+
   // The engine's agreement loop uses one segment of its own and, between its
   // cycles, sleeps here (GIL released) instead of polling: until a peer has started
   // an op this rank has not (its counter passed ours: the peer began a cycle), ring()

@@ -27,6 +27,7 @@ inside it notices a dead peer (and names it) within ~0.1 s.
 """
 from __future__ import annotations
 
+import math
 import pickle
 import threading
 import time
@@ -35,7 +36,7 @@ import numpy as np
 
 from . import buffers, timeline
 from .negotiation import Coordinator
-from .requests import ALLREDUCE, Handle, Request
+from .requests import ALLREDUCE, Handle, Request, signature
 from .transports._dtypes import dtype_code, op_code
 
 DEMOTE_S = 0.25  # a cached op waiting longer than this is sent in full (stall bookkeeping)
@@ -43,7 +44,7 @@ KEEPALIVE_S = 0.5  # with ops in flight, cycle at least this often (dead-peer de
 STALL_CHECK_INTERVAL_S = 0.05  # rank 0 looks for timed-out ops at most this often
 CONTROL_SLOT_BYTES = 64 * 1024
 # How long a synchronous cached op waits for its peers to queue it too before it is
-# queued as usual (express_allreduce); a fraction of the engine's DRIVE_WAIT_S.
+# queued as usual (express); a fraction of the engine's DRIVE_WAIT_S.
 EXPRESS_WAIT_S = 1e-3
 CONTROL_SPIN, CONTROL_YIELDS = 50, 8  # polls before yielding, and before the futex sleep
 
@@ -53,6 +54,22 @@ _RAN = object()  # _vote_and_run_one ran the op with the vote
 
 def _quiet(message: str) -> None:
     """Stall warnings are printed by rank 0 only (every replica computes them)."""
+
+
+class _ExpressPlan:
+    """What express() needs of one cached op: what identifies the op's signature without
+    building it (the kind, the array's dtype object and shape, the op, the postscale), the
+    signature, the data transport, and the native call's own arguments (allreduce: dtype
+    and op codes, factor; allgather: bytes from each rank, and the result's shape)."""
+
+    __slots__ = ("kind", "cid", "sig", "dtype", "shape", "op", "postscale", "transport",
+                 "args", "out_shape")
+
+    def __init__(self, kind: str, cid: int, sig: tuple, array: np.ndarray, op, postscale: float,
+                 transport, args: tuple, out_shape: tuple = ()):
+        self.kind, self.cid, self.sig = kind, cid, sig
+        self.dtype, self.shape, self.op, self.postscale = array.dtype, array.shape, op, postscale
+        self.transport, self.args, self.out_shape = transport, args, out_shape
 
 
 class ShmAgreement:
@@ -87,10 +104,10 @@ class ShmAgreement:
         self.last_cycle = 0.0
         self.news = False
         # cycles; those with items; ops run by the vote's own native call (_vote_and_run_one,
-        # express_allreduce); of those, ops that had no Request or Handle (express_allreduce)
+        # express); of those, ops that had no Request or Handle (express)
         self.stats = {"cycles": 0, "item_cycles": 0, "ran_with_vote": 0, "express": 0}
-        # name -> what express_allreduce needs of that cached op (see _express_plan)
-        self._express_plans: dict[str, tuple] = {}
+        # name -> what express() needs of that cached op (see _express_plan)
+        self._express_plans: dict[str, _ExpressPlan] = {}
 
     # -- what this rank has to say --------------------------------------------------------
     def _bit_ok(self, name: str) -> bool:
@@ -285,33 +302,39 @@ class ShmAgreement:
         executor.complete_planned(resp, req, out, eng._local, eng._release_names)
         return _RAN
 
-    def express_allreduce(self, name: str, array: np.ndarray, inplace: bool, sig: tuple):
-        """A synchronous allreduce of a cached op, from the thread that waits for it
-        (Engine.express_allreduce holds the lock): no Request, Handle or queue when the peers
-        are ready for it.
+    def express(self, kind: str, name: str, array: np.ndarray, inplace: bool, op,
+                postscale: float):
+        """A synchronous allreduce or allgather of a cached op, from the thread that waits for
+        it (Engine.express holds the lock): no Request, Handle or queue when the peers are
+        ready for it.
 
-        When this rank has nothing else in flight and `name` is cached with this signature,
-        one native call publishes the op as queued, waits a moment (EXPRESS_WAIT_S) for
-        every peer to have ops queued too, and runs the cycle's vote and, when every rank
-        is ready for just this op, the bytes (as _vote_and_run_one). Returns the result
-        then; a Handle when the op must wait after all (it is then pending as a cache bit,
-        as submit() and prepare() leave it); None when this path does not apply (nothing
-        was done).
+        When this rank has nothing else in flight and `name` is cached with this op's
+        signature, one native call publishes the op as queued, waits a moment
+        (EXPRESS_WAIT_S) for every peer to have ops queued too, and runs the cycle's vote
+        and, when every rank is ready for just this op, the bytes (as _vote_and_run_one; a
+        small allreduce travels with the vote itself). Returns the result then; a Handle
+        when the op must wait after all (it is then pending as a cache bit, as submit()
+        and prepare() leave it); None when this path does not apply (nothing was done).
         """
         eng, coord = self.engine, self.coord
         if (eng._queue or eng._local or eng._control or self.bit_pending or coord.ready
                 or timeline.active() is not None or not self._bit_ok(name)):
             return None
         plan = self._express_plans.get(name)
-        if plan is None or plan[1] != sig:
-            plan = self._express_plan(name, array, inplace, sig)
+        if (plan is None or plan.kind is not kind or array.dtype is not plan.dtype
+                or array.shape != plan.shape or op != plan.op or postscale != plan.postscale):
+            plan = self._express_plan(kind, name, array, inplace, op, postscale)
             if plan is None:
                 return None
-        cid, _, transport, dtype, op, factor = plan
-        out = array if inplace else buffers.empty_like(array)
-        voted = self.seg.express_allreduce(cid, -(-len(coord.cache_by_id) // 16) * 16,
-                                           EXPRESS_WAIT_S, transport, array, out, dtype, op,
-                                           factor)
+        nbits = -(-len(coord.cache_by_id) // 16) * 16
+        if kind is ALLREDUCE:
+            out = array if inplace else buffers.empty_like(array)
+            voted = self.seg.express_allreduce(plan.cid, nbits, EXPRESS_WAIT_S, plan.transport,
+                                               array, out, *plan.args)
+        else:
+            out = buffers.empty(plan.out_shape, array.dtype)
+            voted = self.seg.express_allgather(plan.cid, nbits, EXPRESS_WAIT_S, plan.transport,
+                                               array, out, *plan.args)
         if voted is not False:
             self.last_cycle = time.monotonic()
         if voted is None:
@@ -319,17 +342,17 @@ class ShmAgreement:
             stats["cycles"] += 1
             stats["ran_with_vote"] += 1
             stats["express"] += 1
-            eng.executor.count_planned()
+            eng.executor.count_planned(kind)
             return out
         # Not run now: the op waits as this rank's cache bit, as if submitted.
-        req = Request(name=name, kind=ALLREDUCE, array=array, inplace=inplace, signature=sig,
-                      handle=Handle(name))
+        req = Request(name=name, kind=kind, array=array, inplace=inplace,
+                      signature=plan.sig, handle=Handle(name))
         req.handle.engine = eng
         with eng._cv:
             eng._names_in_flight.add(name)
         req.sent_at = time.monotonic()
         eng._local[name] = req
-        self.bit_pending[cid] = req
+        self.bit_pending[plan.cid] = req
         if voted is False:  # the peers did not queue it yet: as prepare() leaves a new bit
             self.news = True
         else:  # the peers are in this cycle: finish it
@@ -338,20 +361,33 @@ class ShmAgreement:
             self._after_vote(b"", *voted)
         return req.handle
 
-    def _express_plan(self, name: str, array: np.ndarray, inplace: bool, sig: tuple):
-        """What express_allreduce needs of a cached op, worked out once per name: (cache id,
-        signature, data transport, native dtype and op codes, factor); None when the op is
-        not cached with this signature or is not one native allreduce_into."""
+    def _express_plan(self, kind: str, name: str, array: np.ndarray, inplace: bool, op,
+                      postscale: float):
+        """The _ExpressPlan of a cached op, worked out once per name (and again when the
+        array or the op change); None when the op is not cached with this signature or
+        has no single native call (see Executor.plan_allreduce)."""
         coord = self.coord
+        sig = signature(kind, array, op=op, postscale=postscale)
         cid = coord.cache_by_name.get(name)
         if cid is None or coord.cache_by_id[cid].sigs.get(self.rank) != sig:
             return None
-        planned = self.engine.executor.plan_allreduce(coord.cache_by_id[cid].response, array,
-                                                      inplace)
-        if planned is None or not hasattr(planned[0], "express_allreduce"):
-            return None
-        transport, _, _, op, factor = planned
-        plan = (cid, sig, transport, dtype_code(array.dtype), op_code(op), factor)
+        resp = coord.cache_by_id[cid].response
+        executor = self.engine.executor
+        if kind is ALLREDUCE:
+            planned = executor.plan_allreduce(resp, array, inplace)
+            if planned is None or not hasattr(planned[0], "express_allreduce"):
+                return None
+            transport, _, _, transport_op, factor = planned
+            plan = _ExpressPlan(kind, cid, sig, array, op, postscale, transport,
+                                (dtype_code(array.dtype), op_code(transport_op), factor))
+        else:
+            transport = executor.choose(resp.device, kind)
+            if resp.device != "cpu" or not hasattr(transport, "express_allgather"):
+                return None
+            rows, inner = resp.first_dims[0], tuple(resp.shapes[0])
+            row_bytes = math.prod(inner) * array.dtype.itemsize
+            plan = _ExpressPlan(kind, cid, sig, array, op, postscale, transport,
+                                ([r * row_bytes for r in rows],), (sum(rows),) + inner)
         self._express_plans[name] = plan
         return plan
 

@@ -114,12 +114,13 @@ class Executor:
         self.count_planned()
         req.handle.set_result(out)
 
-    def count_planned(self) -> None:
-        """The stats of one planned allreduce that ran outside run_unit."""
+    def count_planned(self, kind: str = ALLREDUCE) -> None:
+        """The stats of one op (a unit of its own) that ran outside run_unit."""
         stats = self.stats
         stats["units"] += 1
-        stats["allreduce_ops"] += 1
-        stats["allreduce_units"] += 1
+        if kind is ALLREDUCE:
+            stats["allreduce_ops"] += 1
+            stats["allreduce_units"] += 1
 
     @staticmethod
     def _traced(kind: str, reqs, phase: str):

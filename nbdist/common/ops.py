@@ -6,6 +6,7 @@ name. The `_async` forms return a handle; `synchronize(handle)` waits for it.
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any, Sequence
 
@@ -326,34 +327,49 @@ def _allreduce(array, op, name: str | None, prescale: float, postscale: float, p
                inplace: bool, wait: bool):
     """Every allreduce form: checks, then the op submitted (its Handle) or, with `wait`, its
     result. A waited-for CPU op with a name the response cache knows may run at once in
-    this thread (Engine.express_allreduce) with no Request or Handle."""
+    this thread (Engine.express) with no Request or Handle."""
     what = "allreduce_" if inplace else "allreduce"
     engine, _ = process_sets.resolve(process_set, what)
     if inplace and _device_of(array) != "cpu":
         if op == ReduceOp.Adasum:
             raise NotImplementedError("allreduce_: op=Adasum runs on CPU arrays only in nbdist")
-        handle = _submit_gpu(ALLREDUCE, array, name, what, engine=engine,
-                             op=resolve_op(op, what), prescale=prescale,  # type: ignore[arg-type]
-                             postscale=postscale)
-        return synchronize(handle) if wait else handle
+        start = functools.partial(_submit_gpu, ALLREDUCE, array, name, what, engine=engine,
+                                  op=resolve_op(op, what), prescale=prescale,
+                                  postscale=postscale)
+        return _waited(start) if wait else start()
     a = as_array(array, what, inplace=inplace)
     op = resolve_op(op, what, a.dtype)
     if op == ReduceOp.Adasum:
-        handle = _adasum_submit(a, name, engine, prescale, postscale, inplace, what)
-        return synchronize(handle) if wait else handle
-    if (wait and name.__class__ is str and engine.agreement is not None
-            and prescale == 1.0):
-        sig = signature(ALLREDUCE, a, op=op, postscale=postscale)
-        try:
-            done = engine.express_allreduce(name, a, inplace, sig)
-        except KeyboardInterrupt:
-            _abort_interrupted(name)  # type: ignore[arg-type]
-            raise
+        start = functools.partial(_adasum_submit, a, name, engine, prescale, postscale, inplace,
+                                  what)
+        return _waited(start) if wait else start()
+    if wait and prescale == 1.0:
+        done = _express(engine, ALLREDUCE, name, a, inplace, op, postscale)
         if done is not None:
-            return synchronize(done) if done.__class__ is Handle else done
-    handle = _submit(ALLREDUCE, a, name, inplace=inplace, engine=engine, op=op,
-                     prescale=prescale, postscale=postscale)
-    return synchronize(handle) if wait else handle
+            return done
+    start = functools.partial(_submit, ALLREDUCE, a, name, inplace=inplace, engine=engine, op=op,
+                              prescale=prescale, postscale=postscale)
+    return _waited(start) if wait else start()
+
+
+def _express(engine, kind: str, name, array: np.ndarray, inplace: bool, op,
+             postscale: float):
+    """A synchronous op's result through Engine.express (an op the response cache knows, run
+    at once in this thread), or None when that path does not apply."""
+    if name.__class__ is not str or engine.agreement is None:
+        return None
+    try:
+        done = engine.express(kind, name, array, inplace, op, postscale)
+    except KeyboardInterrupt:
+        _abort_interrupted(name)
+        raise
+    return synchronize(done) if done.__class__ is Handle else done
+
+
+@blocking
+def _waited(start):
+    """Submit an op (start()) and wait for its result, as a blocking call (engine.blocking)."""
+    return synchronize(start())
 
 
 def allreduce_async(array, op=ReduceOp.Average, name: str | None = None,
@@ -372,7 +388,6 @@ def allreduce_async_(array, op=ReduceOp.Average, name: str | None = None,
                       inplace=True, wait=False)
 
 
-@blocking
 def allreduce(array, op=ReduceOp.Average, name: str | None = None,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
               process_set=None) -> np.ndarray:
@@ -381,7 +396,6 @@ def allreduce(array, op=ReduceOp.Average, name: str | None = None,
                       inplace=False, wait=True)
 
 
-@blocking
 def allreduce_(array, op=ReduceOp.Average, name: str | None = None,
                prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                process_set=None) -> np.ndarray:
@@ -444,10 +458,16 @@ def allgather_async(array, name: str | None = None, process_set=None) -> Handle:
     return _submit(ALLGATHER, a, name, engine=engine)
 
 
-@blocking
 def allgather(array, name: str | None = None, process_set=None) -> np.ndarray:
     """Concatenate every rank's array along the first dimension (which may differ per rank)."""
-    return synchronize(allgather_async(array, name, process_set))
+    engine, _ = process_sets.resolve(process_set, "allgather")
+    a = as_array(array, "allgather")
+    if a.ndim == 0:
+        a = a.reshape(1)
+    done = _express(engine, ALLGATHER, name, a, False, 0, 1.0)
+    if done is not None:
+        return done
+    return _waited(functools.partial(_submit, ALLGATHER, a, name, engine=engine))
 
 
 def broadcast_async(array, root_rank: int, name: str | None = None,

@@ -82,19 +82,22 @@ def _to_result(like: torch.Tensor) -> Callable:
     return lambda result: _tu.to_tensor(result, like)
 
 
-def _inplace(tensor: torch.Tensor, what: str, reduction: bool, submit: Callable) -> Handle:
-    """Run `submit(buffer)` so that the result lands in `tensor` itself."""
+def _inplace(tensor: torch.Tensor, what: str, reduction: bool, submit: Callable,
+             wait: bool = False):
+    """Run `submit(buffer)` so that the result lands in `tensor` itself: a Handle, or with
+    `wait` (submit is then a synchronous op) `tensor` once it has the result."""
     _tu.check_tensor(tensor, what, reduction=reduction)
     target = tensor.detach()
     staging = _tu.inplace_staging(target)
-    inner = submit(_tu.as_buffer(staging))
 
     def finish(_result):
         if staging is not target:  # a non-contiguous tensor: copy the result back into it
             target.copy_(staging)
         return tensor
 
-    return Handle(inner, finish, keep=(staging,))
+    if wait:
+        return finish(submit(_tu.as_buffer(staging)))
+    return Handle(submit(_tu.as_buffer(staging)), finish, keep=(staging,))
 
 
 # ---------------------------------------------------------------- allreduce
@@ -112,6 +115,19 @@ def _allreduce_submit(tensor, name, op, prescale_factor, postscale_factor, ps=No
                                prescale_factor=prescale_factor, postscale_factor=postscale_factor,
                                process_set=ps)
     return Handle(inner, _to_result(tensor), keep=(src,))
+
+
+def _allreduce_now(tensor, name, op, prescale_factor, postscale_factor, ps=None) -> torch.Tensor:
+    """allreduce's result, waited for: a CPU tensor goes through the common layer's
+    synchronous form, which runs an op the response cache knows at once, in this thread."""
+    _tu.check_tensor(tensor, "allreduce", reduction=True)
+    if _tu.gpu_direct(tensor):
+        return synchronize(_allreduce_submit(tensor, name, op, prescale_factor, postscale_factor,
+                                             ps))
+    src = _tu.contiguous_input(tensor)
+    result = _c.allreduce(_tu.as_buffer(src), op=op, name=name, prescale_factor=prescale_factor,
+                          postscale_factor=postscale_factor, process_set=ps)
+    return _tu.to_tensor(result, tensor)
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
@@ -132,12 +148,15 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
         process_set=ps))
 
 
-@blocking
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                postscale_factor=1.0, process_set=global_process_set) -> torch.Tensor:
-    """In-place allreduce; returns `tensor`."""
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
-                                        postscale_factor, process_set))
+    """In-place allreduce; returns `tensor`. Waited for through the common layer's
+    synchronous form (an op the response cache knows may run at once, in this thread)."""
+    op = resolve_op(op, "allreduce_", average=average)
+    ps = check_process_set(process_set, "allreduce_")
+    return _inplace(tensor, "allreduce_", True, lambda buf: _c.allreduce_(
+        buf, op=op, name=name, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+        process_set=ps), wait=True)
 
 
 class _Allreduce(torch.autograd.Function):
@@ -146,8 +165,7 @@ class _Allreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, op, prescale_factor, postscale_factor, ps):
         ctx.op, ctx.pre, ctx.post, ctx.ps = op, prescale_factor, postscale_factor, ps
-        return synchronize(_allreduce_submit(tensor, name, op, prescale_factor, postscale_factor,
-                                             ps))
+        return _allreduce_now(tensor, name, op, prescale_factor, postscale_factor, ps)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -340,7 +358,11 @@ class _Allgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, ps):
         ctx.rows, ctx.ps = (tensor.shape[0] if tensor.dim() > 0 else 1), ps
-        return synchronize(_allgather_submit(tensor, name, ps))
+        # The common layer's synchronous form: an op the response cache knows may run at
+        # once, in this thread.
+        _tu.check_tensor(tensor, "allgather")
+        src = _tu.contiguous_input(tensor)
+        return _tu.to_tensor(_c.allgather(_tu.as_buffer(src), name=name, process_set=ps), tensor)
 
     @staticmethod
     def backward(ctx, grad_output):

@@ -480,3 +480,30 @@ def test_changed_shape_under_a_cached_name_is_a_mismatch():
         hvd.allreduce(np.ones(shape), name="reshape.x")
     got = hvd.allreduce(np.ones(4), op=hvd.Sum, name="reshape.x")
     np.testing.assert_array_equal(got, np.full(4, float(SIZE)))
+
+
+def test_repeated_sync_allgathers_run_in_the_calling_thread():
+    # allgather's express path: rows differ per rank; the result is a new array each time
+    # (earlier results keep their values).
+    before = _express_count()
+    results = []
+    for step in range(12):
+        x = np.full((RANK + 1, 3), RANK * 10 + step, np.int32)
+        got = hvd.allgather(x, name="express.gather")
+        want = np.concatenate([np.full((r + 1, 3), r * 10 + step, np.int32) for r in range(SIZE)])
+        np.testing.assert_array_equal(got, want)
+        results.append((got, want))
+    for got, want in results:
+        np.testing.assert_array_equal(got, want)
+    if hvd.basics.engine().agreement is not None and SIZE > 1:
+        assert _express_count() > before
+
+
+def test_cached_sync_allgather_waits_as_usual_for_a_late_peer():
+    hvd.allgather(np.ones(2, np.float32), name="late.gather")
+    for step in range(3):
+        if RANK == 0:
+            time.sleep(0.05)
+        got = hvd.allgather(np.full(2, RANK + step, np.float32), name="late.gather")
+        want = np.repeat(np.arange(SIZE, dtype=np.float32) + step, 2)
+        np.testing.assert_array_equal(got, want)

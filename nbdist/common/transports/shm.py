@@ -254,16 +254,20 @@ class ShmTransport(Transport):
         """agree_allreduce once every peer has ops queued (waiting up to wait_s for that),
         with the dtype and op as native codes (the caller worked them out once): False when
         the peers did not come (this rank's queued word says 1), else agree_allreduce's."""
-        native = self._native
-        if native is None or data._native is None:
+        return self._express("express_allreduce", bit, nbits, wait_s, data, src, dst, dst.size,
+                             dtype, op, factor)
+
+    def express_allgather(self, bit: int, nbits: int, wait_s: float, data: "ShmTransport",
+                          send: np.ndarray, recv: np.ndarray, byte_counts: list[int]):
+        """express_allreduce's path for one cached allgatherv (bytes from each rank)."""
+        return self._express("express_allgather", bit, nbits, wait_s, data, send, recv,
+                             byte_counts)
+
+    def _express(self, method: str, bit: int, nbits: int, wait_s: float, data: "ShmTransport",
+                 *args):
+        if data._native is None:
             raise TransportError(f"the shm transport on rank {self.global_rank} is closed")
-        try:
-            return native.express_allreduce(bit, nbits, wait_s, data._native, src, dst, dst.size,
-                                            dtype, op, factor, self.timeout_s, self.should_stop)
-        except RuntimeError as exc:
-            if isinstance(exc, TransportError):
-                raise
-            raise TransportError(str(exc)) from None
+        return self._call(method, bit, nbits, wait_s, data._native, *args)
 
     # -- failure and recovery --------------------------------------------------------------
     def abort(self, reason: str) -> None:
