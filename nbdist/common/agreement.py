@@ -24,6 +24,14 @@ rank 0 sends the timeouts as items. A cached op still waiting after DEMOTE_S goe
 through the items path, so the replicas see who is missing (stall warnings, timeouts).
 While ops are in flight a rank starts an empty cycle every KEEPALIVE_S: the native wait
 inside it notices a dead peer (and names it) within ~0.1 s.
+
+The express path (express(), from Engine.express): a synchronous allreduce or allgather
+of a cached op, with nothing else in flight on this rank, needs none of the above in
+Python. One native call publishes the op as queued, waits a moment for the peers to
+queue theirs, votes (the op's cache bit alone) and, when the vote finds it ready on
+every rank and no items, moves the bytes: a small allreduce in the vote's own slot
+(ShmComm::vote), else on the data segment. Ranks on the express path and ranks that run
+the same cycle through cycle() meet in the same collectives.
 """
 from __future__ import annotations
 
@@ -43,9 +51,6 @@ DEMOTE_S = 0.25  # a cached op waiting longer than this is sent in full (stall b
 KEEPALIVE_S = 0.5  # with ops in flight, cycle at least this often (dead-peer detection)
 STALL_CHECK_INTERVAL_S = 0.05  # rank 0 looks for timed-out ops at most this often
 CONTROL_SLOT_BYTES = 64 * 1024
-# How long a synchronous cached op waits for its peers to queue it too before it is
-# queued as usual (express); a fraction of the engine's DRIVE_WAIT_S.
-EXPRESS_WAIT_S = 1e-3
 CONTROL_SPIN, CONTROL_YIELDS = 50, 8  # polls before yielding, and before the futex sleep
 
 
@@ -303,16 +308,16 @@ class ShmAgreement:
         return _RAN
 
     def express(self, kind: str, name: str, array: np.ndarray, inplace: bool, op,
-                postscale: float):
+                postscale: float, wait_s: float):
         """A synchronous allreduce or allgather of a cached op, from the thread that waits for
         it (Engine.express holds the lock): no Request, Handle or queue when the peers are
         ready for it.
 
         When this rank has nothing else in flight and `name` is cached with this op's
-        signature, one native call publishes the op as queued, waits a moment
-        (EXPRESS_WAIT_S) for every peer to have ops queued too, and runs the cycle's vote
-        and, when every rank is ready for just this op, the bytes (as _vote_and_run_one; a
-        small allreduce travels with the vote itself). Returns the result then; a Handle
+        signature, one native call publishes the op as queued, waits up to `wait_s` for
+        every peer to have ops queued too, and runs the cycle's vote and, when every rank
+        is ready for just this op, the bytes (as _vote_and_run_one; a small allreduce
+        travels with the vote itself). Returns the result then; a Handle
         when the op must wait after all (it is then pending as a cache bit, as submit()
         and prepare() leave it); None when this path does not apply (nothing was done).
         """
@@ -329,11 +334,11 @@ class ShmAgreement:
         nbits = -(-len(coord.cache_by_id) // 16) * 16
         if kind is ALLREDUCE:
             out = array if inplace else buffers.empty_like(array)
-            voted = self.seg.express_allreduce(plan.cid, nbits, EXPRESS_WAIT_S, plan.transport,
+            voted = self.seg.express_allreduce(plan.cid, nbits, wait_s, plan.transport,
                                                array, out, *plan.args)
         else:
             out = buffers.empty(plan.out_shape, array.dtype)
-            voted = self.seg.express_allgather(plan.cid, nbits, EXPRESS_WAIT_S, plan.transport,
+            voted = self.seg.express_allgather(plan.cid, nbits, wait_s, plan.transport,
                                                array, out, *plan.args)
         if voted is not False:
             self.last_cycle = time.monotonic()

@@ -59,6 +59,10 @@ STALL_CHECK_INTERVAL_S = 0.05  # rank 0 looks for stalled ops at most this often
 # ranks that run the same step to meet, short enough not to take a core from a peer
 # that is still computing.
 DRIVE_WAIT_S = 2e-3
+# How long a synchronous op the response cache knows waits (in one native call) for its
+# peers to queue it too before it is queued as usual (Engine.express); it is part of
+# DRIVE_WAIT_S: the driving that follows has the rest.
+EXPRESS_WAIT_S = 1e-3
 
 
 def _fine_timer_slack() -> None:
@@ -286,9 +290,9 @@ class Engine:
         try:
             # (the native call holds the engine thread's activity watch from its start, and
             # lets go once the op ran: see hold(); else it is let go below)
-            result = agreement.express(kind, name, array, inplace, op, postscale)
+            result = agreement.express(kind, name, array, inplace, op, postscale, EXPRESS_WAIT_S)
             if result.__class__ is Handle:
-                self._drive_locked(agreement, result)
+                self._drive_locked(agreement, result, DRIVE_WAIT_S - EXPRESS_WAIT_S)
         except BaseException as exc:
             self._runtime_failed(exc)
             if result is None:  # the op had no handle yet to carry the error
@@ -304,7 +308,7 @@ class Engine:
                 _sigint_gate.leave()
         return result
 
-    def _drive_locked(self, agreement, handle) -> None:
+    def _drive_locked(self, agreement, handle, wait_s: float = DRIVE_WAIT_S) -> None:
         deadline = 0.0
         while not handle.done():
             with self._cv:
@@ -317,7 +321,7 @@ class Engine:
                 agreement.cycle(items)
                 continue
             if not deadline:
-                deadline = now + DRIVE_WAIT_S
+                deadline = now + wait_s
             elif now >= deadline:
                 return
             os.sched_yield()  # a peer sharing this core gets to submit its op
