@@ -1,6 +1,6 @@
 """nbdist engine's steady-state cost per op, beside plain mpi4py on the same MPI, one run.
 
-    mpiexec -n 2 .venv/bin/python benchmarks/engine_overhead.py [--ops 16] [--steps 300]
+    mpiexec -n 2 .venv/bin/python benchmarks/engine_overhead.py [--ops 16] [--steps 300] [--api torch]
 
 The steady state of training: every "step" submits the same named allreduces
 (`--ops` of them, `--bytes` each) asynchronously, then synchronizes them all. Measured
@@ -33,6 +33,9 @@ def parse_args(argv):
     p.add_argument("--sync-iters", type=int, default=500, help="sync ops per round (default 500)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--profile", action="store_true", help="cProfile rank 0's engine thread")
+    p.add_argument("--api", choices=("numpy", "torch"), default="numpy",
+                   help="nbdist's ops on numpy arrays (nbdist.common) or on torch tensors "
+                        "(nbdist.torch); default numpy")
     return p.parse_args(argv)
 
 
@@ -98,13 +101,22 @@ def main(argv=None) -> int:
         n = comm.allreduce(cycles[0] - n0, op=MPI.MAX)
         return t / iters * 1e6, c / iters * 1e6, n / iters
 
+    api, one_t, bufs_t = nb, one, bufs
+    if args.api == "torch":
+        import torch
+
+        import nbdist.torch as api  # type: ignore[no-redef]
+
+        one_t = torch.from_numpy(one)  # the same memory: mpi4py's rows use the same buffers
+        bufs_t = [torch.from_numpy(b) for b in bufs]
+
     def nb_sync():
-        nb.allreduce_(one, op=nb.Sum, name="sync")
+        api.allreduce_(one_t, op=api.Sum, name="sync")
 
     def nb_step():
-        handles = [nb.allreduce_async_(b, op=nb.Sum, name=n) for b, n in zip(bufs, names)]
+        handles = [api.allreduce_async_(b, op=api.Sum, name=n) for b, n in zip(bufs_t, names)]
         for h in handles:
-            nb.synchronize(h)
+            api.synchronize(h)
 
     def mpi_sync():
         comm.Allreduce(MPI.IN_PLACE, one, op=MPI.SUM)
@@ -134,7 +146,7 @@ def main(argv=None) -> int:
         def ratio(a, b):
             return statistics.median(x[0] / y[0] for x, y in zip(rows[a], rows[b]))
 
-        print(f"engine_overhead: {size} ranks, {args.ops} x {args.bytes} B allreduces per step, "
+        print(f"engine_overhead: {size} ranks, {args.api} API, {args.ops} x {args.bytes} B allreduces per step, "
               f"{args.rounds} rounds (median)")
         print(f"{'':28s} {'wall µs':>10s} {'cpu µs r0':>10s} {'engine passes (max rank)':>26s}")
         print(f"{'nbdist sync 1 op':28s} {med('nb_sync', 0):10.1f} {med('nb_sync', 1):10.1f} "

@@ -136,17 +136,14 @@ py::object agree_then(PyShm& s, int64_t bit, int64_t nbits, const Packed& packed
   std::vector<int32_t> vec = vote_words(n, nbits);
   vec[n + bit] = 1;
   bool ran = false;
+  // This rank's one queued op is in the vote from now: a peer that finishes first and
+  // submits its next op must not count it as still queued (it would start a cycle this
+  // rank is not in). When the vote does not run the op, the caller publishes it again
+  // (agreement.py, _after_vote).
+  s.comm().publish_queued(0);
   s.run("agreement", timeout_s, stop, [&](ShmComm& c, WaitContext& ctx) {
     ran = c.vote(vec.data(), vec.size(), packed.src, packed.dst, packed.count, packed.dtype,
-                 packed.op,
-                 [&](const int32_t* v) {
-                   if (!quiet_vote(v, n, bit)) return false;
-                   // Consumed before the bytes move: a peer that finishes first and
-                   // submits its next op must not count this rank's bit as still queued.
-                   c.publish_queued(0);
-                   return true;
-                 },
-                 ctx);
+                 packed.op, [&](const int32_t* v) { return quiet_vote(v, n, bit); }, ctx);
     if (ran && packed.factor != 1.0)
       nbdist::scale_in_place(packed.dst, packed.count, packed.dtype, packed.factor);
   });
@@ -160,7 +157,6 @@ py::object agree_then(PyShm& s, int64_t bit, int64_t nbits, const Packed& packed
   }
   // Quiet, but not carried by the vote (too big, or a rank that runs it through Python's
   // executor did not pack it): on the data segment.
-  s.comm().publish_queued(0);
   run_data();
   return py::none();
 }

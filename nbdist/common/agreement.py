@@ -218,6 +218,8 @@ class ShmAgreement:
         """The rest of a cycle once the vote is in: the items' allgather, the replicas, the
         units to run."""
         eng, coord, size = self.engine, self.coord, self.size
+        # (a vote that could have run this rank's one op unqueued it: still queued now)
+        self.native.publish_queued(len(self.bit_pending))
         units: list[list] = []
         if any(lengths):  # some rank sent items: new or changed ops, aborts, timeouts
             self.stats["item_cycles"] += 1

@@ -301,8 +301,12 @@ class Engine:
             if result is None or result.__class__ is Handle:
                 agreement.hold(False)
             lock.release()
-            if ((result.__class__ is Handle and not result.done()) or self._local
-                    or self._queue or agreement.peer_ahead()):
+            # Unlike drive(), no ring for a peer that started a cycle meanwhile: in a loop of
+            # synchronous ops this thread joins it with its next op in microseconds, and a
+            # woken engine thread would join it first, without that op (the peer's then
+            # waits as a queued one). If no next op comes, the engine thread, whose watch
+            # was held, looks again within 1 ms (HELD_RECHECK_NS) and joins it then.
+            if (result.__class__ is Handle and not result.done()) or self._local or self._queue:
                 agreement.ring()
             if gated:
                 _sigint_gate.leave()
