@@ -189,6 +189,15 @@ py::object agree_allgather(PyShm& s, int64_t bit, int64_t nbits, PyShm& data, co
   }, timeout_s, stop);
 }
 
+py::object agree_broadcast(PyShm& s, int64_t bit, int64_t nbits, PyShm& data, const py::array& buf,
+                           size_t nbytes, int root, double timeout_s, const py::object& stop) {
+  return agree_then(s, bit, nbits, Packed{}, [&]() {
+    data.run("broadcast", timeout_s, stop, [&, p = data_of(buf)](ShmComm& c, WaitContext& ctx) {
+      c.broadcast(p, nbytes, root, ctx);
+    });
+  }, timeout_s, stop);
+}
+
 // The express path's start (a synchronous cached op from the thread that waits for it,
 // nbdist/common/agreement.py): hold the engine thread's activity watch (this thread joins
 // the peers' cycles now; let go once the op ran, else by the caller), publish the op as
@@ -381,6 +390,17 @@ void bind_shm(py::module_& m) {
            py::arg("send").noconvert(), py::arg("recv").noconvert(), py::arg("byte_counts"),
            py::arg("timeout_s") = 0.0, py::arg("should_stop") = py::none(),
            "express_allreduce's path for one cached allgatherv (bytes per rank).")
+      .def("express_broadcast",
+           [](PyShm& s, int64_t bit, int64_t nbits, double wait_s, PyShm& data, const py::array& buf,
+              size_t nbytes, int root, double timeout_s, py::object stop) {
+             return express(s, wait_s, [&]() {
+               return agree_broadcast(s, bit, nbits, data, buf, nbytes, root, timeout_s, stop);
+             });
+           },
+           py::arg("bit"), py::arg("nbits"), py::arg("wait_s"), py::arg("data"),
+           py::arg("buf").noconvert(), py::arg("nbytes"), py::arg("root"),
+           py::arg("timeout_s") = 0.0, py::arg("should_stop") = py::none(),
+           "express_allreduce's path for one cached broadcast of `buf` from `root`.")
       .def("reduce",
            [](PyShm& s, const py::array& buf, size_t count, int dtype, int op, int root,
               double timeout_s, py::object stop) {

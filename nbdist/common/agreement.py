@@ -25,8 +25,8 @@ through the items path, so the replicas see who is missing (stall warnings, time
 While ops are in flight a rank starts an empty cycle every KEEPALIVE_S: the native wait
 inside it notices a dead peer (and names it) within ~0.1 s.
 
-The express path (express(), from Engine.express): a synchronous allreduce or allgather
-of a cached op, with nothing else in flight on this rank, needs none of the above in
+The express path (express(), from Engine.express): a synchronous allreduce, allgather or
+broadcast of a cached op, with nothing else in flight on this rank, needs none of the above in
 Python. One native call publishes the op as queued, waits a moment for the peers to
 queue theirs, votes (the op's cache bit alone) and, when the vote finds it ready on
 every rank and no items, moves the bytes: a small allreduce in the vote's own slot
@@ -44,7 +44,7 @@ import numpy as np
 
 from . import buffers, timeline
 from .negotiation import Coordinator
-from .requests import ALLREDUCE, Handle, Request, signature
+from .requests import ALLGATHER, ALLREDUCE, Handle, Request, signature
 from .transports._dtypes import dtype_code, op_code
 
 DEMOTE_S = 0.25  # a cached op waiting longer than this is sent in full (stall bookkeeping)
@@ -63,17 +63,19 @@ def _quiet(message: str) -> None:
 
 class _ExpressPlan:
     """What express() needs of one cached op: what identifies the op's signature without
-    building it (the kind, the array's dtype object and shape, the op, the postscale), the
-    signature, the data transport, and the native call's own arguments (allreduce: dtype
-    and op codes, factor; allgather: bytes from each rank, and the result's shape)."""
+    building it (the kind, the array's dtype object and shape, the op, the postscale, the
+    root), the signature, the data transport, and the native call's own arguments
+    (allreduce: dtype and op codes, factor; allgather: bytes from each rank, and the
+    result's shape; broadcast: bytes and root)."""
 
-    __slots__ = ("kind", "cid", "sig", "dtype", "shape", "op", "postscale", "transport",
-                 "args", "out_shape")
+    __slots__ = ("kind", "cid", "sig", "dtype", "shape", "op", "postscale", "root",
+                 "transport", "args", "out_shape")
 
     def __init__(self, kind: str, cid: int, sig: tuple, array: np.ndarray, op, postscale: float,
-                 transport, args: tuple, out_shape: tuple = ()):
+                 root: int, transport, args: tuple, out_shape: tuple = ()):
         self.kind, self.cid, self.sig = kind, cid, sig
         self.dtype, self.shape, self.op, self.postscale = array.dtype, array.shape, op, postscale
+        self.root = root
         self.transport, self.args, self.out_shape = transport, args, out_shape
 
 
@@ -310,9 +312,9 @@ class ShmAgreement:
         return _RAN
 
     def express(self, kind: str, name: str, array: np.ndarray, inplace: bool, op,
-                postscale: float, wait_s: float):
-        """A synchronous allreduce or allgather of a cached op, from the thread that waits for
-        it (Engine.express holds the lock): no Request, Handle or queue when the peers are
+                postscale: float, root: int, wait_s: float):
+        """A synchronous allreduce, allgather or broadcast of a cached op, from the thread that
+        waits for it (Engine.express holds the lock): no Request, Handle or queue when the peers are
         ready for it.
 
         When this rank has nothing else in flight and `name` is cached with this op's
@@ -329,8 +331,9 @@ class ShmAgreement:
             return None
         plan = self._express_plans.get(name)
         if (plan is None or plan.kind is not kind or array.dtype is not plan.dtype
-                or array.shape != plan.shape or op != plan.op or postscale != plan.postscale):
-            plan = self._express_plan(kind, name, array, inplace, op, postscale)
+                or array.shape != plan.shape or op != plan.op or postscale != plan.postscale
+                or root != plan.root):
+            plan = self._express_plan(kind, name, array, inplace, op, postscale, root)
             if plan is None:
                 return None
         nbits = -(-len(coord.cache_by_id) // 16) * 16
@@ -338,10 +341,18 @@ class ShmAgreement:
             out = array if inplace else buffers.empty_like(array)
             voted = self.seg.express_allreduce(plan.cid, nbits, wait_s, plan.transport,
                                                array, out, *plan.args)
-        else:
+        elif kind is ALLGATHER:
             out = buffers.empty(plan.out_shape, array.dtype)
             voted = self.seg.express_allgather(plan.cid, nbits, wait_s, plan.transport,
                                                array, out, *plan.args)
+        else:  # BROADCAST (as Executor._broadcast)
+            out = array
+            if not inplace:
+                out = buffers.empty_like(array)
+                if self.rank == root:
+                    np.copyto(out, array)
+            voted = self.seg.express_broadcast(plan.cid, nbits, wait_s, plan.transport, out,
+                                               *plan.args)
         if voted is not False:
             self.last_cycle = time.monotonic()
         if voted is None:
@@ -369,12 +380,12 @@ class ShmAgreement:
         return req.handle
 
     def _express_plan(self, kind: str, name: str, array: np.ndarray, inplace: bool, op,
-                      postscale: float):
+                      postscale: float, root: int):
         """The _ExpressPlan of a cached op, worked out once per name (and again when the
         array or the op change); None when the op is not cached with this signature or
         has no single native call (see Executor.plan_allreduce)."""
         coord = self.coord
-        sig = signature(kind, array, op=op, postscale=postscale)
+        sig = signature(kind, array, op=op, postscale=postscale, root=root)
         cid = coord.cache_by_name.get(name)
         if cid is None or coord.cache_by_id[cid].sigs.get(self.rank) != sig:
             return None
@@ -385,16 +396,20 @@ class ShmAgreement:
             if planned is None or not hasattr(planned[0], "express_allreduce"):
                 return None
             transport, _, _, transport_op, factor = planned
-            plan = _ExpressPlan(kind, cid, sig, array, op, postscale, transport,
+            plan = _ExpressPlan(kind, cid, sig, array, op, postscale, root, transport,
                                 (dtype_code(array.dtype), op_code(transport_op), factor))
         else:
             transport = executor.choose(resp.device, kind)
-            if resp.device != "cpu" or not hasattr(transport, "express_allgather"):
+            if resp.device != "cpu" or not hasattr(transport, "express_" + kind):
                 return None
-            rows, inner = resp.first_dims[0], tuple(resp.shapes[0])
-            row_bytes = math.prod(inner) * array.dtype.itemsize
-            plan = _ExpressPlan(kind, cid, sig, array, op, postscale, transport,
-                                ([r * row_bytes for r in rows],), (sum(rows),) + inner)
+            if kind is ALLGATHER:
+                rows, inner = resp.first_dims[0], tuple(resp.shapes[0])
+                row_bytes = math.prod(inner) * array.dtype.itemsize
+                plan = _ExpressPlan(kind, cid, sig, array, op, postscale, root, transport,
+                                    ([r * row_bytes for r in rows],), (sum(rows),) + inner)
+            else:
+                plan = _ExpressPlan(kind, cid, sig, array, op, postscale, root, transport,
+                                    (array.nbytes, resp.root))
         self._express_plans[name] = plan
         return plan
 

@@ -270,9 +270,10 @@ class Engine:
             if gated:
                 _sigint_gate.leave()
 
-    def express(self, kind: str, name: str, array, inplace: bool, op, postscale: float):
-        """A synchronous allreduce or allgather of an op the response cache knows, run by
-        this (calling) thread with no Request, Handle or queue (ShmAgreement.express).
+    def express(self, kind: str, name: str, array, inplace: bool, op=0, postscale: float = 1.0,
+                root: int = -1):
+        """A synchronous allreduce, allgather or broadcast of an op the response cache knows,
+        run by this (calling) thread with no Request, Handle or queue (ShmAgreement.express).
 
         The result array when it ran; a Handle to synchronize when the op had to wait
         after all (this thread drove it for a moment, as drive() does); None when the path
@@ -290,7 +291,8 @@ class Engine:
         try:
             # (the native call holds the engine thread's activity watch from its start, and
             # lets go once the op ran: see hold(); else it is let go below)
-            result = agreement.express(kind, name, array, inplace, op, postscale, EXPRESS_WAIT_S)
+            result = agreement.express(kind, name, array, inplace, op, postscale, root,
+                                       EXPRESS_WAIT_S)
             if result.__class__ is Handle:
                 self._drive_locked(agreement, result, DRIVE_WAIT_S - EXPRESS_WAIT_S)
         except BaseException as exc:

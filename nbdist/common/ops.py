@@ -352,14 +352,14 @@ def _allreduce(array, op, name: str | None, prescale: float, postscale: float, p
     return _waited(start) if wait else start()
 
 
-def _express(engine, kind: str, name, array: np.ndarray, inplace: bool, op,
-             postscale: float):
+def _express(engine, kind: str, name, array: np.ndarray, inplace: bool, op=0,
+             postscale: float = 1.0, root: int = -1):
     """A synchronous op's result through Engine.express (an op the response cache knows, run
     at once in this thread), or None when that path does not apply."""
     if name.__class__ is not str or engine.agreement is None:
         return None
     try:
-        done = engine.express(kind, name, array, inplace, op, postscale)
+        done = engine.express(kind, name, array, inplace, op, postscale, root)
     except KeyboardInterrupt:
         _abort_interrupted(name)
         raise
@@ -464,42 +464,53 @@ def allgather(array, name: str | None = None, process_set=None) -> np.ndarray:
     a = as_array(array, "allgather")
     if a.ndim == 0:
         a = a.reshape(1)
-    done = _express(engine, ALLGATHER, name, a, False, 0, 1.0)
+    done = _express(engine, ALLGATHER, name, a, False)
     if done is not None:
         return done
     return _waited(functools.partial(_submit, ALLGATHER, a, name, engine=engine))
 
 
+def _broadcast(array, root_rank: int, name: str | None, process_set, inplace: bool,
+               wait: bool):
+    """Every broadcast form, as _allreduce: checks, then the Handle or, with `wait`, the
+    result (a cached CPU op may run at once in this thread: Engine.express)."""
+    what = "broadcast_" if inplace else "broadcast"
+    engine, ranks = process_sets.resolve(process_set, what)
+    root = _check_root(root_rank, what, ranks)
+    if inplace and _device_of(array) != "cpu":
+        start = functools.partial(_submit_gpu, BROADCAST, array, name, what, engine=engine,
+                                  root=root)
+        return _waited(start) if wait else start()
+    a = as_array(array, what, inplace=inplace)
+    if wait:
+        done = _express(engine, BROADCAST, name, a, inplace, root=root)
+        if done is not None:
+            return done
+    start = functools.partial(_submit, BROADCAST, a, name, inplace=inplace, engine=engine,
+                              root=root)
+    return _waited(start) if wait else start()
+
+
 def broadcast_async(array, root_rank: int, name: str | None = None,
                     process_set=None) -> Handle:
     """Start a broadcast from root_rank (a global rank); the result is a new array."""
-    engine, ranks = process_sets.resolve(process_set, "broadcast")
-    a = as_array(array, "broadcast")
-    return _submit(BROADCAST, a, name, engine=engine,
-                   root=_check_root(root_rank, "broadcast", ranks))
+    return _broadcast(array, root_rank, name, process_set, inplace=False, wait=False)
 
 
 def broadcast_async_(array, root_rank: int, name: str | None = None,
                      process_set=None) -> Handle:
     """Start a broadcast from root_rank into `array` (a GPU array goes through NCCL)."""
-    engine, ranks = process_sets.resolve(process_set, "broadcast_")
-    root = _check_root(root_rank, "broadcast_", ranks)
-    if _device_of(array) != "cpu":
-        return _submit_gpu(BROADCAST, array, name, "broadcast_", engine=engine, root=root)
-    a = as_array(array, "broadcast_", inplace=True)
-    return _submit(BROADCAST, a, name, inplace=True, engine=engine, root=root)
+    return _broadcast(array, root_rank, name, process_set, inplace=True, wait=False)
 
 
-@blocking
 def broadcast(array, root_rank: int, name: str | None = None, process_set=None) -> np.ndarray:
     """root_rank's array on every rank; returns a new array."""
-    return synchronize(broadcast_async(array, root_rank, name, process_set))
+    return _broadcast(array, root_rank, name, process_set, inplace=False, wait=True)
 
 
-@blocking
 def broadcast_(array, root_rank: int, name: str | None = None, process_set=None) -> np.ndarray:
     """root_rank's array written into `array` on every rank; returns `array`."""
-    return synchronize(broadcast_async_(array, root_rank, name, process_set))
+    return _broadcast(array, root_rank, name, process_set, inplace=True, wait=True)
 
 
 def alltoall_async(array, splits=None, name: str | None = None, process_set=None) -> Handle:

@@ -507,3 +507,18 @@ def test_cached_sync_allgather_waits_as_usual_for_a_late_peer():
         got = hvd.allgather(np.full(2, RANK + step, np.float32), name="late.gather")
         want = np.repeat(np.arange(SIZE, dtype=np.float32) + step, 2)
         np.testing.assert_array_equal(got, want)
+
+
+def test_repeated_sync_broadcasts_run_in_the_calling_thread():
+    before = _express_count()
+    root = SIZE - 1
+    for step in range(10):
+        x = np.full(5, RANK * 100.0 + step)
+        got = hvd.broadcast(x, root, name="express.broadcast")
+        np.testing.assert_array_equal(got, np.full(5, root * 100.0 + step))
+        np.testing.assert_array_equal(x, np.full(5, RANK * 100.0 + step))  # input untouched
+        y = np.full((2, 3), RANK + step, np.int64)
+        assert hvd.broadcast_(y, 0, name="express.broadcast_") is y
+        np.testing.assert_array_equal(y, np.full((2, 3), step, np.int64))
+    if hvd.basics.engine().agreement is not None and SIZE > 1:
+        assert _express_count() > before

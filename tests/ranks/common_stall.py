@@ -32,3 +32,18 @@ def test_late_rank_gets_the_timeout_too():
         with pytest.raises(hvd.CollectiveTimeoutError):
             hvd.allreduce(np.ones(2), name="lonely")
     hvd.barrier()
+
+
+def test_cached_op_missing_on_some_ranks_warns_then_times_out(capfd):
+    # An op the response cache knows goes the express way on rank 0; the others do not
+    # come, so it waits as a queued op and gets the same stall warning and timeout.
+    hvd.allreduce(np.ones(2), name="cached.lonely")
+    if RANK == 0:
+        with pytest.raises(hvd.CollectiveTimeoutError, match="cached.lonely"):
+            hvd.allreduce(np.ones(2), name="cached.lonely")
+        err = capfd.readouterr().err
+        assert "stall" in err and "cached.lonely" in err
+    else:
+        time.sleep(3.5)
+    got = hvd.allreduce(np.ones(2), op=hvd.Sum, name="after.cached.timeout")
+    np.testing.assert_array_equal(got, np.full(2, SIZE))

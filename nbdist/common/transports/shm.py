@@ -263,6 +263,11 @@ class ShmTransport(Transport):
         return self._express("express_allgather", bit, nbits, wait_s, data, send, recv,
                              byte_counts)
 
+    def express_broadcast(self, bit: int, nbits: int, wait_s: float, data: "ShmTransport",
+                          buf: np.ndarray, nbytes: int, root: int):
+        """express_allreduce's path for one cached broadcast of `buf` from `root`."""
+        return self._express("express_broadcast", bit, nbits, wait_s, data, buf, nbytes, root)
+
     def _express(self, method: str, bit: int, nbits: int, wait_s: float, data: "ShmTransport",
                  *args):
         if data._native is None:
