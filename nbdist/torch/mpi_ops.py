@@ -87,7 +87,7 @@ def _inplace(tensor: torch.Tensor, what: str, reduction: bool, submit: Callable,
     """Run `submit(buffer)` so that the result lands in `tensor` itself: a Handle, or with
     `wait` (submit is then a synchronous op) `tensor` once it has the result."""
     _tu.check_tensor(tensor, what, reduction=reduction)
-    target = tensor.detach()
+    target = tensor.detach() if tensor.requires_grad else tensor
     staging = _tu.inplace_staging(target)
 
     def finish(_result):

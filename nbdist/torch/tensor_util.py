@@ -42,14 +42,14 @@ def check_tensor(tensor, what: str, reduction: bool = False) -> None:
     if tensor.dtype not in allowed:
         kind = "reductions" if reduction and tensor.dtype in SUPPORTED else "collectives"
         raise TypeError(f"{what} on {_rank()}: dtype {tensor.dtype} is not supported by {kind}")
-    if tensor.device.type not in ("cpu", "cuda"):
+    if not (tensor.is_cpu or tensor.is_cuda):  # (not tensor.device: it builds an object)
         raise TypeError(f"{what} on {_rank()}: tensors on {tensor.device} are not supported "
                         "(CPU and CUDA only)")
 
 
 def numpy_view(tensor: torch.Tensor) -> np.ndarray:
     """A numpy array sharing the storage of a contiguous CPU tensor."""
-    t = tensor.detach()
+    t = tensor.detach() if tensor.requires_grad else tensor  # (detach makes a new tensor)
     if t.is_conj():
         t = t.resolve_conj()
     if t.is_neg():
