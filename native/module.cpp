@@ -40,8 +40,9 @@ void check_factor(int dtype, double factor) {
 
 // The words of an agreement vote (ShmComm::vote): one per rank, one per cache slot, and
 // the "packed" flag last.
+size_t vote_word_count(int n, int64_t nbits) { return static_cast<size_t>(n + nbits + 1); }
 std::vector<int32_t> vote_words(int n, int64_t nbits) {
-  return std::vector<int32_t>(static_cast<size_t>(n + nbits + 1), 0);
+  return std::vector<int32_t>(vote_word_count(n, nbits), 0);
 }
 
 void reduce_scaled(ShmComm& c, const void* src, void* dst, size_t count, int dtype, int op,
@@ -167,8 +168,7 @@ py::object agree_allreduce(PyShm& s, int64_t bit, int64_t nbits, PyShm& data, co
   check_factor(dtype, factor);
   Packed packed;
   // Small enough to travel with the vote: then one synchronisation does both.
-  const size_t words = vote_words(s.comm().size(), nbits).size();
-  if (count * nbdist::dtype_size(dtype) <= s.comm().vote_room(words))
+  if (count * nbdist::dtype_size(dtype) <= s.comm().vote_room(vote_word_count(s.comm().size(), nbits)))
     packed = {data_of(src), data_of(dst), count, dtype, op, factor};
   return agree_then(s, bit, nbits, packed, [&]() {
     data.run("allreduce", timeout_s, stop, [&, from = data_of(src), to = data_of(dst)](

@@ -160,8 +160,13 @@ void ShmComm::allreduce_small(const char* src, char* dst, size_t bytes, size_t c
   release_set(s, read);
 }
 
+namespace {
+// Where the data packed behind a vote's words starts in a slot (a cache line of its own).
+size_t vote_head(size_t words) { return round_up(words * sizeof(int32_t), 64); }
+}  // namespace
+
 size_t ShmComm::vote_room(size_t words) const {
-  const size_t head = round_up(words * sizeof(int32_t), 64);
+  const size_t head = vote_head(words);
   const size_t cap = std::min(slot_bytes_, small_bytes_);
   return head < cap ? cap - head : 0;
 }
@@ -169,7 +174,7 @@ size_t ShmComm::vote_room(size_t words) const {
 bool ShmComm::vote(int32_t* vec, size_t words, const void* src, void* dst, size_t count,
                    int dtype, int op, const std::function<bool(const int32_t*)>& may_run,
                    WaitContext& ctx) {
-  const size_t head = round_up(words * sizeof(int32_t), 64);
+  const size_t head = vote_head(words);
   const size_t bytes = src ? count * dtype_size(dtype) : 0;
   ReduceFn fn = src ? kernel_or_throw(dtype, op, ctx.what) : nullptr;
   if (words == 0 || words * sizeof(int32_t) > std::min(slot_bytes_, small_bytes_))
@@ -177,13 +182,12 @@ bool ShmComm::vote(int32_t* vec, size_t words, const void* src, void* dst, size_
   if (src && bytes > vote_room(words))
     throw std::invalid_argument("shm vote: the packed data does not fit behind the words");
   check_not_aborted(ctx);
+  vec[words - 1] = src ? 1 : 0;  // the "packed" flag (the caller leaves the last word for it)
   if (n_ == 1) {
-    vec[words - 1] = src ? 1 : 0;
     if (!src || !may_run(vec)) return false;
     if (src != dst) std::memcpy(dst, src, bytes);
     return true;
   }
-  vec[words - 1] = src ? 1 : 0;  // the "packed" flag (the caller leaves the last word for it)
   int s = acquire_set(true, ctx);
   char* slot = seg_.slot(s, rank_);
   std::memcpy(slot, vec, words * sizeof(int32_t));

@@ -194,12 +194,16 @@ class ShmAgreement:
 
     # -- one cycle, collective over the engine's ranks ---------------------------------------
     def _begin_cycle(self) -> int:
-        """A cycle starts: its bookkeeping; the vote's number of cache slots (the same on
-        every rank: replicas)."""
+        """A cycle starts: its bookkeeping; the vote's number of cache slots."""
         self.last_cycle = time.monotonic()
         self.news = False
         self.native.publish_queued(len(self.bit_pending))
         self.stats["cycles"] += 1
+        return self._vote_slots()
+
+    def _vote_slots(self) -> int:
+        """The vote's number of cache slots: the cache's size rounded up to 16 (the same on
+        every rank: replicas)."""
         return -(-len(self.coord.cache_by_id) // 16) * 16
 
     def cycle(self, items: list[tuple]) -> None:
@@ -336,7 +340,7 @@ class ShmAgreement:
             plan = self._express_plan(kind, name, array, inplace, op, postscale, root)
             if plan is None:
                 return None
-        nbits = -(-len(coord.cache_by_id) // 16) * 16
+        nbits = self._vote_slots()
         if kind is ALLREDUCE:
             out = array if inplace else buffers.empty_like(array)
             voted = self.seg.express_allreduce(plan.cid, nbits, wait_s, plan.transport,
@@ -345,12 +349,8 @@ class ShmAgreement:
             out = buffers.empty(plan.out_shape, array.dtype)
             voted = self.seg.express_allgather(plan.cid, nbits, wait_s, plan.transport,
                                                array, out, *plan.args)
-        else:  # BROADCAST (as Executor._broadcast)
-            out = array
-            if not inplace:
-                out = buffers.empty_like(array)
-                if self.rank == root:
-                    np.copyto(out, array)
+        else:  # BROADCAST
+            out = eng.executor.broadcast_output(array, inplace, root)
             voted = self.seg.express_broadcast(plan.cid, nbits, wait_s, plan.transport, out,
                                                *plan.args)
         if voted is not False:

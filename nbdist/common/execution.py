@@ -318,16 +318,10 @@ class Executor:
         if resp.device != "cpu":
             self._device_op([resp], [req])
             return
-        dtype = numpy_dtype(resp.dtype)
         if req is None:
-            buf = np.empty(resp.shapes[0], dtype)
-        elif req.inplace:
-            buf = req.array
-        elif self.rank == resp.root:
-            buf = buffers.empty_like(req.array)
-            np.copyto(buf, req.array)
+            buf = np.empty(resp.shapes[0], numpy_dtype(resp.dtype))
         else:
-            buf = buffers.empty_like(req.array)
+            buf = self.broadcast_output(req.array, req.inplace, resp.root)
         transport = self.choose(resp.device, BROADCAST)
         traced = self._traced(BROADCAST, [req], self._transport_phase(transport, BROADCAST))
         transport.broadcast(buf.reshape(-1), resp.root)
@@ -335,6 +329,16 @@ class Executor:
             timeline.phase_end(BROADCAST, traced, None)
         if req is not None:
             req.handle.set_result(buf)
+
+    def broadcast_output(self, array: np.ndarray, inplace: bool, root: int) -> np.ndarray:
+        """Where this rank's broadcast lands: `array` itself in place, else a new array
+        (holding the input on the root, which sends it)."""
+        if inplace:
+            return array
+        out = buffers.empty_like(array)
+        if self.rank == root:
+            np.copyto(out, array)
+        return out
 
     def _alltoall(self, resp: Response, req: Request) -> None:
         dtype = numpy_dtype(resp.dtype)

@@ -449,25 +449,29 @@ def grouped_allreduce_(arrays: Sequence, op=ReduceOp.Average, name: str | None =
 
 
 # -- allgather, broadcast, alltoall, reducescatter ---------------------------------------------
-def allgather_async(array, name: str | None = None, process_set=None) -> Handle:
-    """Start an allgather: every rank's array concatenated on the first dimension."""
+def _allgather(array, name: str | None, process_set, wait: bool):
+    """Both allgather forms, as _allreduce: checks, then the Handle or, with `wait`, the
+    result (a cached op may run at once in this thread: Engine.express)."""
     engine, _ = process_sets.resolve(process_set, "allgather")
     a = as_array(array, "allgather")
     if a.ndim == 0:
         a = a.reshape(1)
-    return _submit(ALLGATHER, a, name, engine=engine)
+    if wait:
+        done = _express(engine, ALLGATHER, name, a, False)
+        if done is not None:
+            return done
+    start = functools.partial(_submit, ALLGATHER, a, name, engine=engine)
+    return _waited(start) if wait else start()
+
+
+def allgather_async(array, name: str | None = None, process_set=None) -> Handle:
+    """Start an allgather: every rank's array concatenated on the first dimension."""
+    return _allgather(array, name, process_set, wait=False)
 
 
 def allgather(array, name: str | None = None, process_set=None) -> np.ndarray:
     """Concatenate every rank's array along the first dimension (which may differ per rank)."""
-    engine, _ = process_sets.resolve(process_set, "allgather")
-    a = as_array(array, "allgather")
-    if a.ndim == 0:
-        a = a.reshape(1)
-    done = _express(engine, ALLGATHER, name, a, False)
-    if done is not None:
-        return done
-    return _waited(functools.partial(_submit, ALLGATHER, a, name, engine=engine))
+    return _allgather(array, name, process_set, wait=True)
 
 
 def _broadcast(array, root_rank: int, name: str | None, process_set, inplace: bool,

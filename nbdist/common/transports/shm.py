@@ -244,10 +244,8 @@ class ShmTransport(Transport):
         """agree() with this rank's one cached allreduce as its only bit: when the vote finds
         it ready everywhere and no rank with items, `data` runs it (allreduce_into) in the
         same native call and this returns None; else agree()'s answer."""
-        if data._native is None:
-            raise TransportError(f"the shm transport on rank {self.global_rank} is closed")
-        return self._call("agree_allreduce", bit, nbits, data._native, src, dst, dst.size,
-                          dtype_code(dst.dtype), op_code(op), factor)
+        return self._call("agree_allreduce", bit, nbits, self._native_of(data), src, dst,
+                          dst.size, dtype_code(dst.dtype), op_code(op), factor)
 
     def express_allreduce(self, bit: int, nbits: int, wait_s: float, data: "ShmTransport",
                           src: np.ndarray, dst: np.ndarray, dtype: int, op: int, factor: float):
@@ -270,9 +268,13 @@ class ShmTransport(Transport):
 
     def _express(self, method: str, bit: int, nbits: int, wait_s: float, data: "ShmTransport",
                  *args):
+        return self._call(method, bit, nbits, wait_s, self._native_of(data), *args)
+
+    def _native_of(self, data: "ShmTransport"):
+        """The data transport's native comm, for a call on this (the agreement's) one."""
         if data._native is None:
             raise TransportError(f"the shm transport on rank {self.global_rank} is closed")
-        return self._call(method, bit, nbits, wait_s, data._native, *args)
+        return data._native
 
     # -- failure and recovery --------------------------------------------------------------
     def abort(self, reason: str) -> None:
