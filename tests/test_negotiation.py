@@ -75,6 +75,33 @@ def test_unnamed_ops_are_not_cached():
         coord.add(r, ("allreduce.noname.0.1", sig(), False))
     (unit,) = coord.take_units()
     assert unit[0].cache_id == -1
+    assert coord.cache_by_id == {}
+
+
+def test_unnamed_ops_become_templates_for_the_shm_agreement():
+    # With cache_unnamed (the shm agreement's replicas) the first unnamed op of a signature
+    # becomes a template each rank finds by its own signature; no name leads to it.
+    coord, _, _ = make(size=2)
+    coord.cache_unnamed = True
+    gather = {0: sig((1, 2), kind="allgather"), 1: sig((3, 2), kind="allgather")}
+    for n, per_rank in enumerate([{0: sig(), 1: sig()}, gather, {0: sig(), 1: sig()}]):
+        for r in range(2):
+            coord.add(r, (f"x.noname.0.0.{n}", per_rank[r], False, True))
+        (unit,) = coord.take_units()
+        assert unit[0].cache_id == -1  # (run as it is: the ranks rename the template)
+    assert len(coord.unnamed_cids) == 2  # the third repeated the first's signature
+    cid = coord.unnamed_cid(0, sig())
+    assert cid is not None and coord.unnamed_cid(1, sig()) == cid
+    assert coord.cache_by_id[cid].unnamed and coord.cache_by_name == {}
+    assert coord.unnamed_cid(1, gather[1]) == coord.unnamed_cid(0, gather[0]) != cid
+    assert coord.unnamed_cid(0, gather[1]) is None  # rank 0 never sent that shape
+    assert coord.unnamed_cid(0, sig((5,))) is None
+    # A signature that one rank shares with a template but another does not would leave a
+    # rank two templates to choose from: it is not made one.
+    for r, s in {0: gather[0], 1: sig((5, 2), kind="allgather")}.items():
+        coord.add(r, ("x.noname.0.0.9", s, False, True))
+    (unit,) = coord.take_units()
+    assert unit[0].error is None and len(coord.unnamed_cids) == 2
 
 
 def test_stall_warning_then_timeout_then_tombstone():

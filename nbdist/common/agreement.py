@@ -35,6 +35,7 @@ the same cycle through cycle() meet in the same collectives.
 """
 from __future__ import annotations
 
+import copy
 import math
 import pickle
 import threading
@@ -44,7 +45,7 @@ import numpy as np
 
 from . import buffers, timeline
 from .negotiation import Coordinator
-from .requests import ALLGATHER, ALLREDUCE, Handle, Request, signature
+from .requests import ALLGATHER, ALLREDUCE, AutoName, Handle, Request, signature
 from .transports._dtypes import dtype_code, op_code
 
 DEMOTE_S = 0.25  # a cached op waiting longer than this is sent in full (stall bookkeeping)
@@ -55,6 +56,26 @@ CONTROL_SPIN, CONTROL_YIELDS = 50, 8  # polls before yielding, and before the fu
 
 
 _RAN = object()  # _vote_and_run_one ran the op with the vote
+
+
+def _request_item(req: Request, cid: int | None) -> tuple:
+    """The item that sends `req` through the replicas: its cache id when it has one (and a
+    name to find it by), else its full signature."""
+    if cid is not None and not req.auto_named:
+        return ("r", cid)
+    if req.auto_named:
+        return ("r", (req.name, req.signature, False, True))
+    return ("r", (req.name, req.signature, req.named))
+
+
+def _response_for(entry, req: Request):
+    """The response of a cached op whose bit was ready: an unnamed op's template names the
+    op it was first agreed for, so the op that takes it gets a copy with its own name."""
+    resp = entry.response
+    if entry.unnamed:
+        resp = copy.copy(resp)
+        resp.names = [req.name]
+    return resp
 
 
 def _quiet(message: str) -> None:
@@ -101,7 +122,8 @@ class ShmAgreement:
         self.native.set_tuning(CONTROL_SPIN, CONTROL_YIELDS, 64 * 1024, 0)
         self.coord = Coordinator(self.size, config.fusion_threshold, config.cache_capacity,
                                  config.stall_warning_s, config.timeout_s,
-                                 warn=engine._warn if self.rank == 0 else _quiet)
+                                 warn=engine._warn if self.rank == 0 else _quiet,
+                                 cache_unnamed=True)
         # Held by whichever thread runs cycles: the engine thread, or a thread that waits
         # for an op and runs them itself meanwhile (Engine.drive). Everything below is
         # touched under it.
@@ -113,8 +135,9 @@ class ShmAgreement:
         # cycles; those with items; ops run by the vote's own native call (_vote_and_run_one,
         # express); of those, ops that had no Request or Handle (express)
         self.stats = {"cycles": 0, "item_cycles": 0, "ran_with_vote": 0, "express": 0}
-        # name -> what express() needs of that cached op (see _express_plan)
-        self._express_plans: dict[str, _ExpressPlan] = {}
+        # name -> what express() needs of that cached op (see _express_plan); (kind,) for
+        # the last unnamed op of that kind
+        self._express_plans: dict[str | tuple, _ExpressPlan] = {}
 
     # -- what this rank has to say --------------------------------------------------------
     def _bit_ok(self, name: str) -> bool:
@@ -129,26 +152,38 @@ class ShmAgreement:
         local = self.engine._local
         for req in new:
             req.sent_at = now
+            cid = self._cached_id(req, local)
             local[req.name] = req
-            cid = coord.cache_by_name.get(req.name)
-            if cid is not None and coord.cache_by_id[cid].sigs.get(self.rank) == req.signature:
-                if self._bit_ok(req.name):
-                    self.bit_pending[cid] = req
-                    self.news = True  # a new bit: the next cycle may find the op ready
-                else:
-                    items.append(("r", cid))
+            if cid is not None and self._bit_ok(req.name):
+                self.bit_pending[cid] = req
+                self.news = True  # a new bit: the next cycle may find the op ready
             else:
-                items.append(("r", (req.name, req.signature, req.named)))
+                items.append(_request_item(req, cid))
         for cid, req in list(self.bit_pending.items()):
+            # (an unnamed op's: also when a peer sent that op in full, as it is then pending)
             if now - req.sent_at > DEMOTE_S or not self._bit_ok(req.name):
                 del self.bit_pending[cid]
-                items.append(("r", cid))
+                items.append(_request_item(req, cid))
         items += [("a", item[1]) for item in control]  # the engine's control items: aborts
         if (self.rank == 0 and coord.pending
                 and now - self.last_stall_check >= STALL_CHECK_INTERVAL_S):
             self.last_stall_check = now
             items += [("t", name, age) for name, age in coord.overdue()]
         return items
+
+    def _cached_id(self, req: Request, local: dict) -> int | None:
+        """The cache id whose bit may stand for `req`: its name's, with this signature; an
+        unnamed op's template (Coordinator.unnamed_cid) when it is this rank's oldest unnamed
+        op in flight (`local` does not hold it yet)."""
+        coord = self.coord
+        if req.auto_named:
+            if any(r.auto_named for r in local.values()):
+                return None
+            return coord.unnamed_cid(self.rank, req.signature)
+        cid = coord.cache_by_name.get(req.name)
+        if cid is not None and coord.cache_by_id[cid].sigs.get(self.rank) == req.signature:
+            return cid
+        return None
 
     def must_cycle(self, now: float) -> bool:
         """True when a cycle is due without new items: a new cache bit that may complete an
@@ -257,12 +292,12 @@ class ShmAgreement:
         if ready:
             by_id = coord.cache_by_id
             bit_pending = self.bit_pending
-            for cid in ready:
-                del bit_pending[cid]
+            reqs = {cid: bit_pending.pop(cid) for cid in ready}
             # Before running them: a peer that finishes first and submits its next op must
             # not take this rank's consumed bits for queued ones (an empty cycle).
             self.native.publish_queued(len(bit_pending))
-            units += [[by_id[c].response for c in unit] for unit in coord._fuse(ready)]
+            units += [[_response_for(by_id[c], reqs[c]) for c in unit]
+                      for unit in coord._fuse(ready)]
         if not units:
             return
         local = eng._local
@@ -333,7 +368,8 @@ class ShmAgreement:
         if (eng._queue or eng._local or eng._control or self.bit_pending or coord.ready
                 or timeline.active() is not None or not self._bit_ok(name)):
             return None
-        plan = self._express_plans.get(name)
+        auto = name.__class__ is AutoName
+        plan = self._express_plans.get((kind,) if auto else name)
         if (plan is None or plan.kind is not kind or array.dtype is not plan.dtype
                 or array.shape != plan.shape or op != plan.op or postscale != plan.postscale
                 or root != plan.root):
@@ -364,7 +400,7 @@ class ShmAgreement:
             return out
         # Not run now: the op waits as this rank's cache bit, as if submitted.
         req = Request(name=name, kind=kind, array=array, inplace=inplace,
-                      signature=plan.sig, handle=Handle(name))
+                      signature=plan.sig, handle=Handle(name), named=not auto, auto_named=auto)
         req.handle.engine = eng
         with eng._cv:
             eng._names_in_flight.add(name)
@@ -386,9 +422,15 @@ class ShmAgreement:
         has no single native call (see Executor.plan_allreduce)."""
         coord = self.coord
         sig = signature(kind, array, op=op, postscale=postscale, root=root)
-        cid = coord.cache_by_name.get(name)
-        if cid is None or coord.cache_by_id[cid].sigs.get(self.rank) != sig:
-            return None
+        auto = name.__class__ is AutoName
+        if auto:  # (nothing is in flight here: this op is the oldest unnamed one)
+            cid = coord.unnamed_cid(self.rank, sig)
+            if cid is None:
+                return None
+        else:
+            cid = coord.cache_by_name.get(name)
+            if cid is None or coord.cache_by_id[cid].sigs.get(self.rank) != sig:
+                return None
         resp = coord.cache_by_id[cid].response
         executor = self.engine.executor
         if kind is ALLREDUCE:
@@ -410,7 +452,7 @@ class ShmAgreement:
             else:
                 plan = _ExpressPlan(kind, cid, sig, array, op, postscale, root, transport,
                                     (array.nbytes, resp.root))
-        self._express_plans[name] = plan
+        self._express_plans[(kind,) if auto else name] = plan
         return plan
 
     def close(self, reason: str) -> None:

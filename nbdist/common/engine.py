@@ -46,7 +46,7 @@ from . import buffers, errors, timeline, world
 from .config import env_str
 from .execution import Executor
 from .negotiation import Coordinator
-from .requests import Handle, Request, Response
+from .requests import AutoName, Handle, Request, Response
 
 TAG_TO_COORDINATOR = 11
 TAG_FROM_COORDINATOR = 12
@@ -192,10 +192,10 @@ class Engine:
         return on_one_node and mode != "coordinator"
 
     # -- user-thread side ----------------------------------------------------------------
-    def auto_name(self, kind: str) -> str:
+    def auto_name(self, kind: str) -> AutoName:
         """A name for an unnamed op; the counter restarts at each epoch so ranks stay aligned."""
         self.auto_name_counter += 1
-        return f"{kind}.noname.{self.epoch}.{self.join_round}.{self.auto_name_counter}"
+        return AutoName(f"{kind}.noname.{self.epoch}.{self.join_round}.{self.auto_name_counter}")
 
     def joined_all(self) -> None:
         """Every rank completed join(): restart the unnamed-op numbering in step.

@@ -18,6 +18,9 @@ from .requests import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN,
 from .ops_base import ReduceOp
 
 JOIN_NAME = "__nbdist.join__"
+# How many signatures of unnamed ops the shm agreement's replicas keep as templates (the
+# first ones seen): a loop's unnamed ops repeat a few shapes; changing ones go in full.
+UNNAMED_TEMPLATES = 16
 # What may run while some ranks have joined (Horovod): allreduce (joined ranks add zeros,
 # Average still divides by the full size) and barrier. An allgather or broadcast would
 # silently lose the joined ranks' data, so it fails on the ranks that submitted it.
@@ -44,14 +47,15 @@ class _Pending:
     """One op the coordinator has heard of from some ranks (a plain slotted class: one per op
     per step, on the hot path)."""
 
-    __slots__ = ("name", "first_seen", "sigs", "cids", "named", "warned", "is_ready")
+    __slots__ = ("name", "first_seen", "sigs", "cids", "named", "auto", "warned", "is_ready")
 
-    def __init__(self, name: str, first_seen: float, named: bool = True):
+    def __init__(self, name: str, first_seen: float, named: bool = True, auto: bool = False):
         self.name = name
         self.first_seen = first_seen
         self.sigs: dict[int, tuple] = {}
         self.cids: dict[int, int] = {}
         self.named = named
+        self.auto = auto  # an unnamed op (an AutoName)
         self.warned = False
         self.is_ready = False  # in Coordinator.ready
 
@@ -59,12 +63,16 @@ class _Pending:
 class _CacheEntry:
     """A cached response, with what fusion needs of it worked out once."""
 
-    __slots__ = ("name", "sigs", "response", "fuse_key", "nbytes")
+    __slots__ = ("name", "sigs", "response", "fuse_key", "nbytes", "unnamed")
 
-    def __init__(self, name: str, sigs: dict[int, tuple], response: Response):
+    def __init__(self, name: str, sigs: dict[int, tuple], response: Response,
+                 unnamed: bool = False):
         self.name = name
         self.sigs = sigs
         self.response = response
+        # The template of unnamed ops with these signatures (Coordinator.unnamed_cid): its
+        # response names the op it was first agreed for; a rank renames it for each op.
+        self.unnamed = unnamed
         self.fuse_key = _fuse_key(response)
         self.nbytes = response.nbytes() if self.fuse_key is not None else 0
 
@@ -87,7 +95,8 @@ class Coordinator:
 
     def __init__(self, size: int, fusion_threshold: int, cache_capacity: int,
                  stall_warning_s: float, timeout_s: float,
-                 warn: Callable[[str], None] = print, clock: Callable[[], float] = time.monotonic):
+                 warn: Callable[[str], None] = print, clock: Callable[[], float] = time.monotonic,
+                 cache_unnamed: bool = False):
         self.size = size
         self.fusion_threshold = fusion_threshold
         self.cache_capacity = cache_capacity
@@ -100,20 +109,26 @@ class Coordinator:
         self.joined: list[int] = []
         self.cache_by_id: dict[int, _CacheEntry] = {}
         self.cache_by_name: dict[str, int] = {}
+        # Unnamed ops' templates (cache ids), with cache_unnamed (the shm agreement's replicas):
+        # see unnamed_cid.
+        self.cache_unnamed = cache_unnamed
+        self.unnamed_cids: list[int] = []
         self.tombstones: dict[str, tuple[tuple, set[int]]] = {}
         self.epoch = 0
 
     # -- input -----------------------------------------------------------------------
     def add(self, rank: int, item) -> list[Response]:
-        """Record one request of `rank`: a cache id, or (name, signature, named).
+        """Record one request of `rank`: a cache id, or (name, signature, named[, auto]).
 
         Returns error responses that must go out at once (an op already failed).
         """
+        auto = False
         if item.__class__ is int:
             entry = self.cache_by_id[item]
             name, sig, named, cid = entry.name, entry.sigs[rank], True, item
         else:
-            name, sig, named = item
+            name, sig, named = item[0], item[1], item[2]
+            auto = len(item) > 3 and item[3]
             cid = -1
         if self.tombstones:
             tomb = self.tombstones.get(name)
@@ -125,7 +140,7 @@ class Coordinator:
                                  targets=(rank,))]
         pending = self.pending.get(name)
         if pending is None:
-            pending = self.pending[name] = _Pending(name, self.clock(), named)
+            pending = self.pending[name] = _Pending(name, self.clock(), named, auto)
         sigs = pending.sigs
         if rank in sigs:  # the engine rejects local duplicates; this is a late one
             return [Response(kind=sig[SIG_KIND], names=[name], targets=(rank,), error=(
@@ -249,12 +264,43 @@ class Coordinator:
                 resp.splits = [list(sigs[r][SIG_SPLITS]) for r in range(self.size)]
         else:
             resp.shapes = [shape] if shape is not None else []
-        if pending.named and not resp.joined and self.cache_capacity > len(self.cache_by_id):
+        if resp.joined or self.cache_capacity <= len(self.cache_by_id):
+            return resp
+        if pending.named:
             cid = len(self.cache_by_id)
             resp.cache_id = cid
             self.cache_by_id[cid] = _CacheEntry(name, dict(sigs), resp)
             self.cache_by_name[name] = cid
+        elif pending.auto and self.cache_unnamed and self._new_unnamed(sigs):
+            cid = len(self.cache_by_id)
+            self.cache_by_id[cid] = _CacheEntry(f"{kind}.noname", dict(sigs), resp, unnamed=True)
+            self.unnamed_cids.append(cid)
         return resp
+
+    def _new_unnamed(self, sigs: dict[int, tuple]) -> bool:
+        """True when an unnamed op with these signatures may become a template: there is room
+        (UNNAMED_TEMPLATES), and no template has any rank's signature already (so each rank's
+        own signature names at most one template: unnamed_cid is unambiguous on every rank)."""
+        if len(self.unnamed_cids) >= UNNAMED_TEMPLATES or len(sigs) != self.size:
+            return False
+        by_id = self.cache_by_id
+        return not any(by_id[c].sigs.get(r) == s for c in self.unnamed_cids
+                       for r, s in sigs.items())
+
+    def unnamed_cid(self, rank: int, sig: tuple) -> int | None:
+        """The template (cache id) of unnamed ops whose signature on `rank` is `sig`, or None.
+
+        The shm agreement's cache bit of an unnamed op: a rank sets it for its oldest unnamed
+        op in flight only. Ranks number unnamed ops in the order they submit them, and an op
+        completes on every rank in the same cycle, so the ranks whose bits meet in a vote
+        all hold the op of one number: the op is matched as its name would match it, without
+        the name. (A rank that sends an op in full makes a peer that set the bit for it send
+        it in full too: ShmAgreement.prepare.)"""
+        by_id = self.cache_by_id
+        for cid in self.unnamed_cids:
+            if by_id[cid].sigs.get(rank) == sig:
+                return cid
+        return None
 
     def _validate(self, name: str, kind: str, sigs: dict[int, tuple]) -> tuple | None:
         """None when the ranks agree; else an error (class name, message) naming what differs."""

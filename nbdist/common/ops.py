@@ -16,7 +16,7 @@ from . import basics, process_sets
 from . import adasum as _adasum
 from .ops_base import BFLOAT16, ReduceOp, SUPPORTED_DTYPES, UnsupportedOpError, dtype_name
 from .requests import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN, REDUCESCATTER,
-                       GroupHandle, Handle, Request, signature)
+                       AutoName, GroupHandle, Handle, Request, signature)
 from .engine import blocking
 from .negotiation import JOIN_NAME
 
@@ -107,10 +107,10 @@ def _gpu_signature(kind, gpu: GPUBuffer, **sig) -> tuple:
 def _submit_gpu(kind: str, obj, name: str | None, what: str, engine=None, **sig) -> Handle:
     engine = engine or basics.engine()
     gpu = GPUBuffer(obj, what, engine)
-    op_name, named = _name(name, kind, engine)
+    op_name, named, auto = _name(name, kind, engine)
     req = Request(name=op_name, kind=kind, array=obj, inplace=True,
                   signature=_gpu_signature(kind, gpu, **sig), handle=Handle(op_name),
-                  device=gpu.device, named=named)
+                  device=gpu.device, named=named, auto_named=auto)
     engine.submit(req)
     return req.handle
 
@@ -220,23 +220,26 @@ class _Uncached(str):
     """A fixed op name whose response is not worth caching (its shape changes each call)."""
 
 
-def _name(name: str | None, kind: str, engine=None) -> tuple[str, bool]:
-    """The op's name, and whether its agreed response may be cached."""
+def _name(name: str | None, kind: str, engine=None) -> tuple[str, bool, bool]:
+    """The op's name; whether its agreed response may be cached under that name; whether it
+    was unnamed (an AutoName: given here, or by _op_name before an express attempt)."""
     if name is None:
-        return (engine or basics.engine()).auto_name(kind), False
+        name = (engine or basics.engine()).auto_name(kind)
+    if name.__class__ is AutoName:
+        return name, False, True
     if not isinstance(name, str) or not name:
         raise TypeError(f"{kind}: name must be a non-empty str, got {name!r}")
-    return str(name), not isinstance(name, _Uncached)
+    return str(name), not isinstance(name, _Uncached), False
 
 
 def _submit(kind: str, array, name: str | None, inplace: bool = False, engine=None,
             **sig) -> Handle:
     engine = engine or basics.engine()
-    op_name, named = _name(name, kind, engine)
+    op_name, named, auto = _name(name, kind, engine)
     splits = sig.pop("splits", None)
     req = Request(name=op_name, kind=kind, array=array, inplace=inplace,
                   signature=signature(kind, array, splits=splits, **sig),
-                  handle=Handle(op_name), splits=splits, named=named)
+                  handle=Handle(op_name), splits=splits, named=named, auto_named=auto)
     engine.submit(req)
     return req.handle
 
@@ -344,6 +347,7 @@ def _allreduce(array, op, name: str | None, prescale: float, postscale: float, p
                                   what)
         return _waited(start) if wait else start()
     if wait and prescale == 1.0:
+        name = _op_name(engine, ALLREDUCE, name)
         done = _express(engine, ALLREDUCE, name, a, inplace, op, postscale)
         if done is not None:
             return done
@@ -355,8 +359,11 @@ def _allreduce(array, op, name: str | None, prescale: float, postscale: float, p
 def _express(engine, kind: str, name, array: np.ndarray, inplace: bool, op=0,
              postscale: float = 1.0, root: int = -1):
     """A synchronous op's result through Engine.express (an op the response cache knows, run
-    at once in this thread), or None when that path does not apply."""
-    if name.__class__ is not str or engine.agreement is None:
+    at once in this thread), or None when that path does not apply.
+
+    `name` is the op's name; an unnamed op's is given by _op_name first (the caller submits
+    the op under that same name when this returns None)."""
+    if engine.agreement is None or (name.__class__ is not str and name.__class__ is not AutoName):
         return None
     try:
         done = engine.express(kind, name, array, inplace, op, postscale, root)
@@ -364,6 +371,14 @@ def _express(engine, kind: str, name, array: np.ndarray, inplace: bool, op=0,
         _abort_interrupted(name)
         raise
     return synchronize(done) if done.__class__ is Handle else done
+
+
+def _op_name(engine, kind: str, name):
+    """A synchronous op's name before its express attempt: an unnamed op is numbered now
+    (once: _submit keeps an AutoName) where the express path could take it."""
+    if name is None and engine.agreement is not None:
+        return engine.auto_name(kind)
+    return name
 
 
 @blocking
@@ -457,6 +472,7 @@ def _allgather(array, name: str | None, process_set, wait: bool):
     if a.ndim == 0:
         a = a.reshape(1)
     if wait:
+        name = _op_name(engine, ALLGATHER, name)
         done = _express(engine, ALLGATHER, name, a, False)
         if done is not None:
             return done
@@ -487,6 +503,7 @@ def _broadcast(array, root_rank: int, name: str | None, process_set, inplace: bo
         return _waited(start) if wait else start()
     a = as_array(array, what, inplace=inplace)
     if wait:
+        name = _op_name(engine, BROADCAST, name)
         done = _express(engine, BROADCAST, name, a, inplace, root=root)
         if done is not None:
             return done

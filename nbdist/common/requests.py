@@ -113,6 +113,11 @@ class GroupHandle(Handle):
         return [p.result() for p in self.parts]
 
 
+class AutoName(str):
+    """The name an unnamed op was given (Engine.auto_name): ranks match such ops by the order
+    in which they submit them, which the number in the name encodes."""
+
+
 @dataclass(eq=False)
 class Request:
     """One op submitted on this rank, waiting for the ranks to agree to run it."""
@@ -125,7 +130,8 @@ class Request:
     handle: Handle
     device: str = "cpu"
     splits: tuple | None = None  # alltoall: rows sent to each rank
-    named: bool = True  # user-named (cacheable) or auto-named
+    named: bool = True  # user-named (cacheable by name), or auto-named / uncached
+    auto_named: bool = False  # unnamed: matched with its peers by the order of submission
     sent_at: float = 0.0  # when this rank sent it to rank 0 (monotonic clock)
 
 

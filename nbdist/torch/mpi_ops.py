@@ -78,6 +78,20 @@ _set_size = _c.process_sets.size_of
 _set_rank = _c.process_sets.rank_in
 
 
+@blocking
+def _waited(start: Callable) -> torch.Tensor:
+    """Submit an op (start(), a torch Handle) and wait for its result, as a blocking call
+    (engine.blocking: the GPU path; a CPU tensor's op goes through the common layer's
+    synchronous forms, which do this themselves)."""
+    return synchronize(start())
+
+
+def _differentiable(tensor) -> bool:
+    """True when an op on `tensor` must record its gradient (autograd.Function.apply); a
+    tensor that needs none (or anything else, which the op rejects) skips apply's cost."""
+    return isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled()
+
+
 def _to_result(like: torch.Tensor) -> Callable:
     return lambda result: _tu.to_tensor(result, like)
 
@@ -122,8 +136,8 @@ def _allreduce_now(tensor, name, op, prescale_factor, postscale_factor, ps=None)
     synchronous form, which runs an op the response cache knows at once, in this thread."""
     _tu.check_tensor(tensor, "allreduce", reduction=True)
     if _tu.gpu_direct(tensor):
-        return synchronize(_allreduce_submit(tensor, name, op, prescale_factor, postscale_factor,
-                                             ps))
+        return _waited(lambda: _allreduce_submit(tensor, name, op, prescale_factor,
+                                                 postscale_factor, ps))
     src = _tu.contiguous_input(tensor)
     result = _c.allreduce(_tu.as_buffer(src), op=op, name=name, prescale_factor=prescale_factor,
                           postscale_factor=postscale_factor, process_set=ps)
@@ -173,7 +187,6 @@ class _Allreduce(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
-@blocking
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
               prescale_factor=1.0, postscale_factor=1.0,
               process_set=global_process_set) -> torch.Tensor:
@@ -181,7 +194,10 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     op = resolve_op(op, "allreduce", average=average)
     ps = check_process_set(process_set, "allreduce")
     compressed, ctx = compression.compress(tensor)
-    reduced = _Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor, ps)
+    if _differentiable(compressed):
+        reduced = _Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor, ps)
+    else:  # what apply() would do, without its cost (most of a small allreduce's time)
+        reduced = _allreduce_now(compressed, name, op, prescale_factor, postscale_factor, ps)
     return compression.decompress(reduced, ctx)
 
 
@@ -358,15 +374,19 @@ class _Allgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, ps):
         ctx.rows, ctx.ps = (tensor.shape[0] if tensor.dim() > 0 else 1), ps
-        # The common layer's synchronous form: an op the response cache knows may run at
-        # once, in this thread.
-        _tu.check_tensor(tensor, "allgather")
-        src = _tu.contiguous_input(tensor)
-        return _tu.to_tensor(_c.allgather(_tu.as_buffer(src), name=name, process_set=ps), tensor)
+        return _allgather_now(tensor, name, ps)
 
     @staticmethod
     def backward(ctx, grad_output):
         return _allgather_grad(grad_output, ctx.rows, ctx.ps), None, None
+
+
+def _allgather_now(tensor, name, ps=None) -> torch.Tensor:
+    """allgather's result through the common layer's synchronous form (an op the response
+    cache knows may run at once, in this thread)."""
+    _tu.check_tensor(tensor, "allgather")
+    src = _tu.contiguous_input(tensor)
+    return _tu.to_tensor(_c.allgather(_tu.as_buffer(src), name=name, process_set=ps), tensor)
 
 
 def _allgather_grad(grad_output, rows: int, ps=None):
@@ -377,11 +397,12 @@ def _allgather_grad(grad_output, rows: int, ps=None):
     return averaged.narrow(0, offset, rows)
 
 
-@blocking
 def allgather(tensor, name=None, process_set=global_process_set) -> torch.Tensor:
     """Concatenate every rank's `tensor` along dimension 0 into a new tensor; differentiable."""
     ps = check_process_set(process_set, "allgather")
-    return _Allgather.apply(tensor, name, ps)
+    if _differentiable(tensor):
+        return _Allgather.apply(tensor, name, ps)
+    return _allgather_now(tensor, name, ps)
 
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set) -> Handle:
@@ -468,6 +489,18 @@ def _broadcast_submit(tensor, root_rank, name, ps=None) -> Handle:
     return Handle(inner, _to_result(tensor), keep=(src,))
 
 
+def _broadcast_now(tensor, root_rank, name, ps=None) -> torch.Tensor:
+    """broadcast's result; a CPU tensor through the common layer's synchronous form (an op
+    the response cache knows may run at once, in this thread)."""
+    _tu.check_tensor(tensor, "broadcast")
+    if _tu.gpu_direct(tensor):
+        return _waited(lambda: _broadcast_submit(tensor, root_rank, name, ps))
+    root = _check_root(root_rank, "broadcast", ps)
+    src = _tu.contiguous_input(tensor)
+    return _tu.to_tensor(_c.broadcast(_tu.as_buffer(src), root, name=name, process_set=ps),
+                         tensor)
+
+
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> Handle:
     """Start sending root_rank's `tensor` to every rank, into a new tensor."""
     ps = check_process_set(process_set, "broadcast_async")
@@ -482,10 +515,13 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_se
                     lambda buf: _c.broadcast_async_(buf, root, name=name, process_set=ps))
 
 
-@blocking
 def broadcast_(tensor, root_rank, name=None, process_set=global_process_set) -> torch.Tensor:
-    """In-place broadcast; returns `tensor`."""
-    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+    """In-place broadcast; returns `tensor`. Waited for through the common layer's
+    synchronous form (an op the response cache knows may run at once, in this thread)."""
+    ps = check_process_set(process_set, "broadcast_")
+    root = _check_root(root_rank, "broadcast_", ps)
+    return _inplace(tensor, "broadcast_", False,
+                    lambda buf: _c.broadcast_(buf, root, name=name, process_set=ps), wait=True)
 
 
 class _Broadcast(torch.autograd.Function):
@@ -494,7 +530,7 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, root_rank, name, ps):
         ctx.root, ctx.ps = root_rank, ps
-        return synchronize(_broadcast_submit(tensor, root_rank, name, ps))
+        return _broadcast_now(tensor, root_rank, name, ps)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -504,11 +540,12 @@ class _Broadcast(torch.autograd.Function):
         return grad, None, None, None
 
 
-@blocking
 def broadcast(tensor, root_rank, name=None, process_set=global_process_set) -> torch.Tensor:
     """root_rank's `tensor` on every rank, as a new tensor; differentiable."""
     ps = check_process_set(process_set, "broadcast")
-    return _Broadcast.apply(tensor, root_rank, name, ps)
+    if _differentiable(tensor):
+        return _Broadcast.apply(tensor, root_rank, name, ps)
+    return _broadcast_now(tensor, root_rank, name, ps)
 
 
 # ---------------------------------------------------------------- alltoall

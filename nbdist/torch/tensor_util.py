@@ -50,13 +50,14 @@ def check_tensor(tensor, what: str, reduction: bool = False) -> None:
 def numpy_view(tensor: torch.Tensor) -> np.ndarray:
     """A numpy array sharing the storage of a contiguous CPU tensor."""
     t = tensor.detach() if tensor.requires_grad else tensor  # (detach makes a new tensor)
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(BFLOAT16)
-    return t.numpy()
+    if t.dtype is torch.bfloat16:
+        return t.resolve_conj().resolve_neg().view(torch.int16).numpy().view(BFLOAT16)
+    try:
+        return t.numpy()
+    except RuntimeError:  # a lazily negated or conjugated view: numpy() wants it resolved
+        if not (t.is_conj() or t.is_neg()):
+            raise
+        return t.resolve_conj().resolve_neg().numpy()
 
 
 def as_buffer(tensor: torch.Tensor):
@@ -82,7 +83,7 @@ def contiguous_input(tensor: torch.Tensor) -> torch.Tensor:
     CUDA tensors are staged through host memory here: nbdist.common moves GPU memory
     only for the in-place allreduce_/broadcast_ (which allreduce/broadcast use directly).
     """
-    t = tensor.detach()
+    t = tensor.detach() if tensor.requires_grad else tensor  # (detach makes a new tensor)
     if t.is_cuda:
         return t.cpu()
     return t if t.is_contiguous() else t.contiguous()
@@ -98,6 +99,11 @@ def inplace_staging(target: torch.Tensor) -> torch.Tensor:
 
 def to_tensor(result, like: torch.Tensor) -> torch.Tensor:
     """A result buffer from nbdist.common as a tensor of `like`'s dtype and device (no copy on CPU)."""
+    if (result.__class__ is np.ndarray and like.is_cpu and like.dtype is not torch.bfloat16
+            and result.flags.writeable):
+        out = torch.from_numpy(result)  # the common case first: a CPU op's own result
+        if out.dtype is like.dtype:
+            return out
     out = _to_tensor(result, like)
     if out.device != like.device:  # a CUDA tensor's op staged through host memory
         out = out.to(like.device)

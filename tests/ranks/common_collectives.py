@@ -531,3 +531,54 @@ def test_repeated_sync_broadcasts_run_in_the_calling_thread():
         np.testing.assert_array_equal(y, np.full((2, 3), step, np.int64))
     if hvd.basics.engine().agreement is not None and SIZE > 1:
         assert _express_ran_since(before)
+
+
+def test_repeated_unnamed_sync_ops_run_in_the_calling_thread():
+    # Unnamed ops are matched by the order in which each rank submits them; once one of a
+    # signature has been agreed, the next ones take the express path too (a template).
+    before = _express_count()
+    for step in range(20):
+        got = hvd.allreduce(np.full(8, RANK + step, np.float32), op=hvd.Sum)
+        np.testing.assert_array_equal(got, np.full(8, sum(r + step for r in range(SIZE))))
+        rows = hvd.allgather(np.full((1, 2), RANK * 10 + step, np.int64))
+        np.testing.assert_array_equal(rows[:, 0], np.arange(SIZE) * 10 + step)
+        sent = hvd.broadcast(np.full(3, RANK + step, np.float64), 0)
+        np.testing.assert_array_equal(sent, np.full(3, float(step)))
+    if hvd.basics.engine().agreement is not None and SIZE > 1:
+        assert _express_ran_since(before)
+
+
+def test_unnamed_ops_pair_by_order_when_ranks_take_different_paths():
+    # Rank 0 has an unnamed op in flight when it submits the next one; the others submit the
+    # same two ops one at a time (synchronously). Whichever way each rank sends an op (the
+    # template's bit or in full), the i-th unnamed op of every rank meets the i-th of the
+    # others, with no stall.
+    for _ in range(2):
+        hvd.allreduce(np.ones(4, np.float32), op=hvd.Sum)  # the template of this signature
+    for step in range(6):
+        first = np.full(4, RANK + step, np.float32)
+        second = np.full(4, 10.0 * (RANK + 1), np.float32)
+        start = time.monotonic()
+        if RANK == 0:
+            handle = hvd.allreduce_async(first, op=hvd.Sum)
+            got_second = hvd.allreduce(second, op=hvd.Sum)
+            got_first = hvd.synchronize(handle)
+        else:
+            if step % 2:
+                time.sleep(0.01)
+            got_first = hvd.allreduce(first, op=hvd.Sum)
+            got_second = hvd.allreduce(second, op=hvd.Sum)
+        np.testing.assert_array_equal(got_first, np.full(4, sum(r + step for r in range(SIZE))))
+        np.testing.assert_array_equal(got_second, np.full(4, 10.0 * SIZE * (SIZE + 1) / 2))
+        # (a bit left waiting for a peer that sent the op in full would wait DEMOTE_S)
+        assert time.monotonic() - start < 0.2
+
+
+def test_unnamed_shape_mismatch_after_a_template_fails_on_every_rank():
+    for _ in range(2):
+        hvd.allreduce(np.ones(6))
+    shape = (7,) if RANK == SIZE - 1 else (6,)
+    with pytest.raises(hvd.MismatchError, match="allreduce.noname"):
+        hvd.allreduce(np.ones(shape))
+    got = hvd.allreduce(np.ones(6), op=hvd.Sum)
+    np.testing.assert_array_equal(got, np.full(6, float(SIZE)))
