@@ -33,6 +33,8 @@ def parse_args(argv):
     p.add_argument("--sync-iters", type=int, default=500, help="sync ops per round (default 500)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--profile", action="store_true", help="cProfile rank 0's engine thread")
+    p.add_argument("--unnamed", action="store_true",
+                   help="nbdist's ops without names (matched by order, as hvd.allreduce(x))")
     p.add_argument("--api", choices=("numpy", "torch"), default="numpy",
                    help="nbdist's ops on numpy arrays (nbdist.common) or on torch tensors "
                         "(nbdist.torch); default numpy")
@@ -110,11 +112,14 @@ def main(argv=None) -> int:
         one_t = torch.from_numpy(one)  # the same memory: mpi4py's rows use the same buffers
         bufs_t = [torch.from_numpy(b) for b in bufs]
 
+    sync_name = None if args.unnamed else "sync"
+    step_names = [None] * len(names) if args.unnamed else names
+
     def nb_sync():
-        api.allreduce_(one_t, op=api.Sum, name="sync")
+        api.allreduce_(one_t, op=api.Sum, name=sync_name)
 
     def nb_step():
-        handles = [api.allreduce_async_(b, op=api.Sum, name=n) for b, n in zip(bufs_t, names)]
+        handles = [api.allreduce_async_(b, op=api.Sum, name=n) for b, n in zip(bufs_t, step_names)]
         for h in handles:
             api.synchronize(h)
 
@@ -146,7 +151,9 @@ def main(argv=None) -> int:
         def ratio(a, b):
             return statistics.median(x[0] / y[0] for x, y in zip(rows[a], rows[b]))
 
-        print(f"engine_overhead: {size} ranks, {args.api} API, {args.ops} x {args.bytes} B allreduces per step, "
+        unnamed = " (unnamed ops)" if args.unnamed else ""
+        print(f"engine_overhead: {size} ranks, {args.api} API{unnamed}, {args.ops} x {args.bytes} B "
+              "allreduces per step, "
               f"{args.rounds} rounds (median)")
         print(f"{'':28s} {'wall µs':>10s} {'cpu µs r0':>10s} {'engine passes (max rank)':>26s}")
         print(f"{'nbdist sync 1 op':28s} {med('nb_sync', 0):10.1f} {med('nb_sync', 1):10.1f} "

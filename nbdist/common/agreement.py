@@ -63,8 +63,8 @@ def _request_item(req: Request, cid: int | None) -> tuple:
     name to find it by), else its full signature."""
     if cid is not None and not req.auto_named:
         return ("r", cid)
-    if req.auto_named:
-        return ("r", (req.name, req.signature, False, True))
+    if req.auto_named:  # (a plain str travels lighter than an AutoName)
+        return ("r", (str(req.name), req.signature, False, True))
     return ("r", (req.name, req.signature, req.named))
 
 

@@ -30,6 +30,28 @@ def test_allreduce_gradient(op):
     assert torch.allclose(x.grad, expect)
 
 
+def test_ops_record_a_gradient_only_where_autograd_would():
+    # allreduce, allgather and broadcast skip autograd.Function when no gradient is
+    # recorded; the results must still look as apply() makes them.
+    x = torch.ones(4, requires_grad=True)
+    plain = torch.ones(4)
+    ops = {"allreduce": lambda t: hvd.allreduce(t, op=hvd.Sum),
+           "allgather": lambda t: hvd.allgather(t),
+           "broadcast": lambda t: hvd.broadcast(t, 0)}
+    for what, op in ops.items():
+        recorded = op(x)
+        assert recorded.requires_grad and recorded.grad_fn is not None, what
+        with torch.no_grad():
+            off = op(x)
+        assert not off.requires_grad and off.grad_fn is None, what
+        out = op(plain)
+        assert not out.requires_grad and out.grad_fn is None, what
+        assert torch.equal(out, off) and torch.equal(out, recorded.detach()), what
+    assert torch.equal(hvd.allreduce(plain, op=hvd.Sum), torch.full((4,), float(N())))
+    neg = torch._neg_view(torch.ones(3))  # a lazily negated view: resolved before sending
+    assert torch.equal(hvd.allreduce(neg, op=hvd.Sum), torch.full((3,), -float(N())))
+
+
 def test_allreduce_gradient_with_scale_factors():
     x = torch.randn(5, dtype=torch.float64, requires_grad=True)
     out = hvd.allreduce(x, op=hvd.Sum, prescale_factor=2.0, postscale_factor=3.0)
