@@ -44,10 +44,26 @@ def executing_eagerly() -> bool:
     return tf.executing_eagerly()
 
 
+def may_record() -> bool:
+    """True where a collective may need its gradient: while a graph is traced (tf.gradients
+    may ask later), or eagerly under a GradientTape. Elsewhere tf.custom_gradient would
+    only cost time (its eager wrapper is most of a small op's time)."""
+    if not tf.executing_eagerly():
+        return True
+    try:
+        from tensorflow.python.eager import record
+
+        return bool(record.could_possibly_record())
+    except Exception:  # pragma: no cover - a TF without this private module: be safe
+        return True
+
+
 def to_numpy(value) -> np.ndarray:
     """The numpy value of an eager tensor, variable (tf or Keras 3) or array."""
     if isinstance(value, np.ndarray):
         return value
+    if isinstance(value, tf.Tensor) and hasattr(value, "numpy"):  # an eager tensor as it is
+        return np.asarray(value.numpy())
     return np.asarray(tf.convert_to_tensor(value).numpy())
 
 
@@ -148,16 +164,18 @@ def _wait_for(handle) -> list | tuple[int, str]:
 
 
 def run(submit: Submit, inputs: Sequence, out_dtypes: Sequence[tf.DType],
-        out_shapes: Sequence, what: str) -> list:
+        out_shapes: Sequence, what: str, now: Callable[..., list] | None = None) -> list:
     """Run one collective step on `inputs`; returns tensors of `out_dtypes` / `out_shapes`.
 
     `what` names the operation in error messages (e.g. "allreduce 'grad.dense/kernel'").
+    `now`, where given, runs the step eagerly instead of submit: the arrays' results through
+    nbdist.common's synchronous forms (a cached op may run at once, in this thread).
     """
     out_dtypes = [tf.as_dtype(d) for d in out_dtypes]
     if executing_eagerly():
         arrays = [to_numpy(t) for t in inputs]
         try:
-            results = submit(*arrays)()
+            results = now(*arrays) if now is not None else submit(*arrays)()
         except _CONVERTED as exc:
             converted = tf_error(exc)
             if converted is exc:

@@ -70,8 +70,12 @@ def _raw_allreduce(tensors, op, prescale, postscale, names, ps=None) -> list:
                    for a, n in zip(arrays, names)]
         return lambda: [_c.synchronize(h) for h in handles]
 
+    def now(array):  # (one tensor: several go async, so no rank waits on one alone)
+        return [_c.allreduce(array, op=op, name=names[0], prescale_factor=prescale,
+                             postscale_factor=postscale, process_set=ps)]
+
     return _bridge.run(submit, tensors, [t.dtype for t in tensors], _same_shape(tensors),
-                       f"allreduce {names[0]!r}")
+                       f"allreduce {names[0]!r}", now if len(tensors) == 1 else None)
 
 
 def _raw_allgather(tensors, names, ps=None) -> list:
@@ -79,8 +83,12 @@ def _raw_allgather(tensors, names, ps=None) -> list:
         handles = [_c.allgather_async(a, name=n, process_set=ps) for a, n in zip(arrays, names)]
         return lambda: [_c.synchronize(h) for h in handles]
 
+    def now(array):
+        return [_c.allgather(array, name=names[0], process_set=ps)]
+
     return _bridge.run(submit, tensors, [t.dtype for t in tensors],
-                       [_rows_shape(t) for t in tensors], f"allgather {names[0]!r}")
+                       [_rows_shape(t) for t in tensors], f"allgather {names[0]!r}",
+                       now if len(tensors) == 1 else None)
 
 
 def _raw_broadcast(tensors, root_rank, names, ps=None) -> list:
@@ -89,8 +97,11 @@ def _raw_broadcast(tensors, root_rank, names, ps=None) -> list:
                    for a, n in zip(arrays, names)]
         return lambda: [_c.synchronize(h) for h in handles]
 
+    def now(array):
+        return [_c.broadcast(array, root_rank, name=names[0], process_set=ps)]
+
     return _bridge.run(submit, tensors, [t.dtype for t in tensors], _same_shape(tensors),
-                       f"broadcast {names[0]!r}")
+                       f"broadcast {names[0]!r}", now if len(tensors) == 1 else None)
 
 
 def _raw_alltoall(tensor, splits, name, ps=None):
@@ -128,6 +139,9 @@ def _raw_reducescatter(tensor, op, prescale, postscale, name, ps=None):
 
 # -- differentiable collectives -------------------------------------------------------------
 def _allreduce_dense(tensors, op, prescale, postscale, names, ps=None) -> list:
+    if not _bridge.may_record():  # no gradient can be asked for: the raw step alone
+        return _raw_allreduce(tensors, op, prescale, postscale, names, ps)
+
     @tf.custom_gradient
     def reduce(*xs):
         ys = _raw_allreduce(list(xs), op, prescale, postscale, names, ps)
@@ -217,6 +231,8 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=None):
     ps = check_process_set(process_set, "allgather")
     tensor = _tensor(tensor, "allgather")
     op_name = _naming.default_name("Allgather", tensor, name)
+    if not _bridge.may_record():
+        return _raw_allgather([tensor], [op_name], ps)[0]
 
     @tf.custom_gradient
     def gather(x):
@@ -239,6 +255,8 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set
     ps = check_process_set(process_set, "broadcast")
     tensor = _tensor(tensor, "broadcast")
     op_name = _naming.default_name("Broadcast", tensor, name)
+    if not _bridge.may_record():
+        return _raw_broadcast([tensor], root_rank, [op_name], ps)[0]
 
     @tf.custom_gradient
     def bcast(x):

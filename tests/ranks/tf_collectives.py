@@ -141,6 +141,27 @@ def test_collective_errors_name_the_problem():
         hvd.allreduce(tf.ones([R + 1]), name="bad.shape")
 
 
+def test_eager_ops_outside_a_tape_take_the_synchronous_path():
+    # Eagerly with no GradientTape, allreduce/allgather/broadcast skip tf.custom_gradient
+    # and run through nbdist.common's synchronous forms: a repeated op (named or not)
+    # then runs at once in this thread (the express path).
+    from nbdist.common import basics
+
+    agreement = basics.engine().agreement
+    before = agreement.stats["express"] if agreement is not None else 0
+    for step in range(10):
+        x = tf.fill([4], float(R + step))
+        want = sum(r + step for r in range(N))
+        np.testing.assert_allclose(hvd.allreduce(x, op=hvd.Sum, name="eager.x").numpy(), want)
+        np.testing.assert_allclose(hvd.allreduce(x, op=hvd.Sum).numpy(), want)
+        np.testing.assert_allclose(hvd.allgather(tf.fill([1, 2], float(R))).numpy()[:, 0],
+                                   np.arange(N))
+        np.testing.assert_allclose(hvd.broadcast(x, 0).numpy(), float(step))
+    if agreement is not None and N > 1:
+        ran = hvd.allreduce(tf.constant([agreement.stats["express"] - before]), op=hvd.Sum)
+        assert int(ran.numpy()[0]) > 0
+
+
 # -- gradients -------------------------------------------------------------------------------
 def grad_of(mode, loss_fn, x):
     def g(x):
