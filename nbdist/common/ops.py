@@ -23,6 +23,8 @@ from .negotiation import JOIN_NAME
 
 # -- input checks ------------------------------------------------------------------------
 def _device_of(obj) -> str:
+    if obj.__class__ is np.ndarray:  # the common case, without the attribute lookup
+        return "cpu"
     interface = getattr(obj, "__cuda_array_interface__", None)
     if interface is None:
         return "cpu"

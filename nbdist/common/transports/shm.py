@@ -252,23 +252,20 @@ class ShmTransport(Transport):
         """agree_allreduce once every peer has ops queued (waiting up to wait_s for that),
         with the dtype and op as native codes (the caller worked them out once): False when
         the peers did not come (this rank's queued word says 1), else agree_allreduce's."""
-        return self._express("express_allreduce", bit, nbits, wait_s, data, src, dst, dst.size,
-                             dtype, op, factor)
+        return self._call("express_allreduce", bit, nbits, wait_s, self._native_of(data), src,
+                          dst, dst.size, dtype, op, factor)
 
     def express_allgather(self, bit: int, nbits: int, wait_s: float, data: "ShmTransport",
                           send: np.ndarray, recv: np.ndarray, byte_counts: list[int]):
         """express_allreduce's path for one cached allgatherv (bytes from each rank)."""
-        return self._express("express_allgather", bit, nbits, wait_s, data, send, recv,
-                             byte_counts)
+        return self._call("express_allgather", bit, nbits, wait_s, self._native_of(data), send,
+                          recv, byte_counts)
 
     def express_broadcast(self, bit: int, nbits: int, wait_s: float, data: "ShmTransport",
                           buf: np.ndarray, nbytes: int, root: int):
         """express_allreduce's path for one cached broadcast of `buf` from `root`."""
-        return self._express("express_broadcast", bit, nbits, wait_s, data, buf, nbytes, root)
-
-    def _express(self, method: str, bit: int, nbits: int, wait_s: float, data: "ShmTransport",
-                 *args):
-        return self._call(method, bit, nbits, wait_s, self._native_of(data), *args)
+        return self._call("express_broadcast", bit, nbits, wait_s, self._native_of(data), buf,
+                          nbytes, root)
 
     def _native_of(self, data: "ShmTransport"):
         """The data transport's native comm, for a call on this (the agreement's) one."""
