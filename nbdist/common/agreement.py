@@ -32,6 +32,11 @@ queue theirs, votes (the op's cache bit alone) and, when the vote finds it ready
 every rank and no items, moves the bytes: a small allreduce in the vote's own slot
 (ShmComm::vote), else on the data segment. Ranks on the express path and ranks that run
 the same cycle through cycle() meet in the same collectives.
+
+Unnamed ops (an AutoName, numbered in submission order) have no name to cache: the
+replicas keep the first ones' signatures as templates (Coordinator.unnamed_cid), and a
+rank sets a template's bit for its oldest unnamed op in flight only, so the bits that meet
+in a vote stand for ops of one number on every rank (see _cached_id).
 """
 from __future__ import annotations
 
