@@ -66,10 +66,10 @@ _RAN = object()  # _vote_and_run_one ran the op with the vote
 def _request_item(req: Request, cid: int | None) -> tuple:
     """The item that sends `req` through the replicas: its cache id when it has one (and a
     name to find it by), else its full signature."""
-    if cid is not None and not req.auto_named:
-        return ("r", cid)
-    if req.auto_named:  # (a plain str travels lighter than an AutoName)
+    if req.auto_named:  # by its number, always (a plain str travels lighter than an AutoName)
         return ("r", (str(req.name), req.signature, False, True))
+    if cid is not None:
+        return ("r", cid)
     return ("r", (req.name, req.signature, req.named))
 
 
@@ -180,13 +180,18 @@ class ShmAgreement:
         """The cache id whose bit may stand for `req`: its name's, with this signature; an
         unnamed op's template (Coordinator.unnamed_cid) when it is this rank's oldest unnamed
         op in flight (`local` does not hold it yet)."""
+        if req.auto_named and any(r.auto_named for r in local.values()):
+            return None
+        return self._cache_id_of(req.name, req.signature)
+
+    def _cache_id_of(self, name: str, sig: tuple) -> int | None:
+        """The cache id of an op named `name` with this rank's signature `sig`: the named
+        op's entry, an unnamed op's template (an AutoName), or None."""
         coord = self.coord
-        if req.auto_named:
-            if any(r.auto_named for r in local.values()):
-                return None
-            return coord.unnamed_cid(self.rank, req.signature)
-        cid = coord.cache_by_name.get(req.name)
-        if cid is not None and coord.cache_by_id[cid].sigs.get(self.rank) == req.signature:
+        if name.__class__ is AutoName:
+            return coord.unnamed_cid(self.rank, sig)
+        cid = coord.cache_by_name.get(name)
+        if cid is not None and coord.cache_by_id[cid].sigs.get(self.rank) == sig:
             return cid
         return None
 
@@ -405,7 +410,7 @@ class ShmAgreement:
             return out
         # Not run now: the op waits as this rank's cache bit, as if submitted.
         req = Request(name=name, kind=kind, array=array, inplace=inplace,
-                      signature=plan.sig, handle=Handle(name), named=not auto, auto_named=auto)
+                      signature=plan.sig, handle=Handle(name), named=not auto)
         req.handle.engine = eng
         with eng._cv:
             eng._names_in_flight.add(name)
@@ -427,15 +432,10 @@ class ShmAgreement:
         has no single native call (see Executor.plan_allreduce)."""
         coord = self.coord
         sig = signature(kind, array, op=op, postscale=postscale, root=root)
-        auto = name.__class__ is AutoName
-        if auto:  # (nothing is in flight here: this op is the oldest unnamed one)
-            cid = coord.unnamed_cid(self.rank, sig)
-            if cid is None:
-                return None
-        else:
-            cid = coord.cache_by_name.get(name)
-            if cid is None or coord.cache_by_id[cid].sigs.get(self.rank) != sig:
-                return None
+        # (an unnamed op: nothing is in flight here, so it is the oldest unnamed one)
+        cid = self._cache_id_of(name, sig)
+        if cid is None:
+            return None
         resp = coord.cache_by_id[cid].response
         executor = self.engine.executor
         if kind is ALLREDUCE:
@@ -457,7 +457,7 @@ class ShmAgreement:
             else:
                 plan = _ExpressPlan(kind, cid, sig, array, op, postscale, root, transport,
                                     (array.nbytes, resp.root))
-        self._express_plans[(kind,) if auto else name] = plan
+        self._express_plans[(kind,) if name.__class__ is AutoName else name] = plan
         return plan
 
     def close(self, reason: str) -> None:

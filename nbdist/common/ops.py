@@ -109,10 +109,10 @@ def _gpu_signature(kind, gpu: GPUBuffer, **sig) -> tuple:
 def _submit_gpu(kind: str, obj, name: str | None, what: str, engine=None, **sig) -> Handle:
     engine = engine or basics.engine()
     gpu = GPUBuffer(obj, what, engine)
-    op_name, named, auto = _name(name, kind, engine)
+    op_name, named = _name(name, kind, engine)
     req = Request(name=op_name, kind=kind, array=obj, inplace=True,
                   signature=_gpu_signature(kind, gpu, **sig), handle=Handle(op_name),
-                  device=gpu.device, named=named, auto_named=auto)
+                  device=gpu.device, named=named)
     engine.submit(req)
     return req.handle
 
@@ -222,26 +222,26 @@ class _Uncached(str):
     """A fixed op name whose response is not worth caching (its shape changes each call)."""
 
 
-def _name(name: str | None, kind: str, engine=None) -> tuple[str, bool, bool]:
-    """The op's name; whether its agreed response may be cached under that name; whether it
-    was unnamed (an AutoName: given here, or by _op_name before an express attempt)."""
+def _name(name: str | None, kind: str, engine=None) -> tuple[str, bool]:
+    """The op's name, and whether its agreed response may be cached under that name. An
+    unnamed op's is an AutoName (given here, or by _op_name before an express attempt)."""
     if name is None:
         name = (engine or basics.engine()).auto_name(kind)
     if name.__class__ is AutoName:
-        return name, False, True
+        return name, False
     if not isinstance(name, str) or not name:
         raise TypeError(f"{kind}: name must be a non-empty str, got {name!r}")
-    return str(name), not isinstance(name, _Uncached), False
+    return str(name), not isinstance(name, _Uncached)
 
 
 def _submit(kind: str, array, name: str | None, inplace: bool = False, engine=None,
             **sig) -> Handle:
     engine = engine or basics.engine()
-    op_name, named, auto = _name(name, kind, engine)
+    op_name, named = _name(name, kind, engine)
     splits = sig.pop("splits", None)
     req = Request(name=op_name, kind=kind, array=array, inplace=inplace,
                   signature=signature(kind, array, splits=splits, **sig),
-                  handle=Handle(op_name), splits=splits, named=named, auto_named=auto)
+                  handle=Handle(op_name), splits=splits, named=named)
     engine.submit(req)
     return req.handle
 

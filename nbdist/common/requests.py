@@ -131,8 +131,12 @@ class Request:
     device: str = "cpu"
     splits: tuple | None = None  # alltoall: rows sent to each rank
     named: bool = True  # user-named (cacheable by name), or auto-named / uncached
-    auto_named: bool = False  # unnamed: matched with its peers by the order of submission
     sent_at: float = 0.0  # when this rank sent it to rank 0 (monotonic clock)
+
+    @property
+    def auto_named(self) -> bool:
+        """Unnamed (an AutoName): matched with its peers by the order of submission."""
+        return self.name.__class__ is AutoName
 
 
 def signature(kind: str, array: np.ndarray | None, op: int = 0, prescale: float = 1.0,

@@ -44,18 +44,18 @@ def executing_eagerly() -> bool:
     return tf.executing_eagerly()
 
 
+try:  # (private: whether any GradientTape may record now)
+    from tensorflow.python.eager.record import could_possibly_record as _tape_may_record
+except ImportError:  # pragma: no cover - a TF without it: assume a tape may record
+    def _tape_may_record() -> bool:
+        return True
+
+
 def may_record() -> bool:
     """True where a collective may need its gradient: while a graph is traced (tf.gradients
     may ask later), or eagerly under a GradientTape. Elsewhere tf.custom_gradient would
     only cost time (its eager wrapper is most of a small op's time)."""
-    if not tf.executing_eagerly():
-        return True
-    try:
-        from tensorflow.python.eager import record
-
-        return bool(record.could_possibly_record())
-    except Exception:  # pragma: no cover - a TF without this private module: be safe
-        return True
+    return not tf.executing_eagerly() or bool(_tape_may_record())
 
 
 def to_numpy(value) -> np.ndarray:
@@ -168,14 +168,17 @@ def run(submit: Submit, inputs: Sequence, out_dtypes: Sequence[tf.DType],
     """Run one collective step on `inputs`; returns tensors of `out_dtypes` / `out_shapes`.
 
     `what` names the operation in error messages (e.g. "allreduce 'grad.dense/kernel'").
-    `now`, where given, runs the step eagerly instead of submit: the arrays' results through
-    nbdist.common's synchronous forms (a cached op may run at once, in this thread).
+    `now(array)`, where given, runs a step of one input eagerly instead of submit: its
+    results through nbdist.common's synchronous forms (a cached op may run at once, in this
+    thread). Several inputs are always submitted together, then waited for: no rank then
+    waits on one op alone while its peers wait on another.
     """
     out_dtypes = [tf.as_dtype(d) for d in out_dtypes]
     if executing_eagerly():
         arrays = [to_numpy(t) for t in inputs]
         try:
-            results = now(*arrays) if now is not None else submit(*arrays)()
+            results = (now(arrays[0]) if now is not None and len(arrays) == 1
+                       else submit(*arrays)())
         except _CONVERTED as exc:
             converted = tf_error(exc)
             if converted is exc:

@@ -70,12 +70,12 @@ def _raw_allreduce(tensors, op, prescale, postscale, names, ps=None) -> list:
                    for a, n in zip(arrays, names)]
         return lambda: [_c.synchronize(h) for h in handles]
 
-    def now(array):  # (one tensor: several go async, so no rank waits on one alone)
+    def now(array):
         return [_c.allreduce(array, op=op, name=names[0], prescale_factor=prescale,
                              postscale_factor=postscale, process_set=ps)]
 
     return _bridge.run(submit, tensors, [t.dtype for t in tensors], _same_shape(tensors),
-                       f"allreduce {names[0]!r}", now if len(tensors) == 1 else None)
+                       f"allreduce {names[0]!r}", now)
 
 
 def _raw_allgather(tensors, names, ps=None) -> list:
@@ -87,8 +87,7 @@ def _raw_allgather(tensors, names, ps=None) -> list:
         return [_c.allgather(array, name=names[0], process_set=ps)]
 
     return _bridge.run(submit, tensors, [t.dtype for t in tensors],
-                       [_rows_shape(t) for t in tensors], f"allgather {names[0]!r}",
-                       now if len(tensors) == 1 else None)
+                       [_rows_shape(t) for t in tensors], f"allgather {names[0]!r}", now)
 
 
 def _raw_broadcast(tensors, root_rank, names, ps=None) -> list:
@@ -101,7 +100,7 @@ def _raw_broadcast(tensors, root_rank, names, ps=None) -> list:
         return [_c.broadcast(array, root_rank, name=names[0], process_set=ps)]
 
     return _bridge.run(submit, tensors, [t.dtype for t in tensors], _same_shape(tensors),
-                       f"broadcast {names[0]!r}", now if len(tensors) == 1 else None)
+                       f"broadcast {names[0]!r}", now)
 
 
 def _raw_alltoall(tensor, splits, name, ps=None):
