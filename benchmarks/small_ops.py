@@ -9,6 +9,13 @@ numbers unnamed ops in call order), and mpi4py's `comm.Allreduce` on the same by
 The cases run in alternating rounds; reported: the slowest rank's mean µs per call
 (median of rounds) and its ratio to mpi4py's from the same rounds. torch and
 TensorFlow rows appear when the framework imports.
+
+With `--layers`, one cached `allreduce_` instead, each layer of the express path
+called directly (docs/common-api.md, "Where the microseconds go"): the user call,
+`Engine.express`, `ShmAgreement.express` (agreement lock held), the shm transport's
+`express_allreduce`, the native `express_allreduce` (vote and bytes in one call) and
+the native allreduce alone (`allreduce_into`, no vote). The difference between two
+rows is what that layer costs.
 """
 from __future__ import annotations
 
@@ -24,6 +31,8 @@ def main(argv=None) -> int:
     p.add_argument("--bytes", type=int, default=4096, help="bytes per allreduce (float32)")
     p.add_argument("--iters", type=int, default=2000, help="calls per case per round")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--layers", action="store_true",
+                   help="the express path of one cached allreduce_, layer by layer")
     args = p.parse_args(argv)
 
     import nbdist.common as nb
@@ -33,12 +42,55 @@ def main(argv=None) -> int:
     comm = MPI.COMM_WORLD
     a = np.ones(max(1, args.bytes // 4), np.float32)
     out = np.empty_like(a)
-    cases = {
-        "mpi4py Allreduce": lambda: comm.Allreduce(a, out),
+    cases = {"mpi4py Allreduce": lambda: comm.Allreduce(a, out)}
+    locked: set[str] = set()  # cases run with the agreement lock held (--layers)
+    if args.layers:
+        if not _layer_cases(nb, a, cases, locked):
+            nb.shutdown()
+            return 1
+    else:
+        _api_cases(nb, a, cases)
+
+    def timed(fn) -> float:
+        for _ in range(max(20, args.iters // 20)):
+            fn()
+        comm.Barrier()
+        start = time.perf_counter()
+        for _ in range(args.iters):
+            fn()
+        return comm.allreduce((time.perf_counter() - start) / args.iters * 1e6, op=MPI.MAX)
+
+    agreement = nb.basics.engine().agreement
+    rows: dict[str, list[float]] = {k: [] for k in cases}
+    for _ in range(args.rounds):
+        for name, fn in cases.items():
+            if name in locked:  # as Engine.express holds it; the engine thread waits meanwhile
+                agreement.lock.acquire()
+            try:
+                rows[name].append(timed(fn))
+            finally:
+                if name in locked:
+                    agreement.hold(False)
+                    agreement.lock.release()
+    if comm.rank == 0:
+        base = rows["mpi4py Allreduce"]
+        print(f"small_ops: {comm.size} ranks, {a.nbytes} B float32 allreduce, "
+              f"{args.rounds} rounds x {args.iters} calls (median)")
+        print(f"{'':30s} {'µs per call':>12s} {'/ mpi4py':>9s}")
+        for name, times in rows.items():
+            ratio = statistics.median(t / b for t, b in zip(times, base))
+            print(f"{name:30s} {statistics.median(times):12.2f} {ratio:8.2f}x")
+    nb.shutdown()
+    return 0
+
+
+def _api_cases(nb, a: np.ndarray, cases: dict) -> None:
+    """One small allreduce through each user API (the default run)."""
+    cases.update({
         "numpy allreduce_ named": lambda: nb.allreduce_(a, op=nb.Sum, name="np.inplace"),
         "numpy allreduce named": lambda: nb.allreduce(a, op=nb.Sum, name="np.out"),
         "numpy allreduce unnamed": lambda: nb.allreduce(a, op=nb.Sum),
-    }
+    })
     try:
         import torch
 
@@ -61,29 +113,57 @@ def main(argv=None) -> int:
     except ImportError:
         pass
 
-    def timed(fn) -> float:
-        for _ in range(max(20, args.iters // 20)):
-            fn()
-        comm.Barrier()
-        start = time.perf_counter()
-        for _ in range(args.iters):
-            fn()
-        return comm.allreduce((time.perf_counter() - start) / args.iters * 1e6, op=MPI.MAX)
 
-    rows: dict[str, list[float]] = {k: [] for k in cases}
-    for _ in range(args.rounds):
-        for name, fn in cases.items():
-            rows[name].append(timed(fn))
-    if comm.rank == 0:
-        base = rows["mpi4py Allreduce"]
-        print(f"small_ops: {comm.size} ranks, {a.nbytes} B float32 allreduce, "
-              f"{args.rounds} rounds x {args.iters} calls (median)")
-        print(f"{'':28s} {'µs per call':>12s} {'/ mpi4py':>9s}")
-        for name, times in rows.items():
-            ratio = statistics.median(t / b for t, b in zip(times, base))
-            print(f"{name:28s} {statistics.median(times):12.2f} {ratio:8.2f}x")
-    nb.shutdown()
-    return 0
+def _layer_cases(nb, a: np.ndarray, cases: dict, locked: set) -> bool:
+    """Each layer of one cached allreduce_'s express path (--layers); False when this run
+    has no shm agreement (ranks on more than one node)."""
+    from nbdist.common.requests import ALLREDUCE
+
+    eng = nb.basics.engine()
+    agreement = eng.agreement
+    if agreement is None:
+        print("small_ops --layers: no shm agreement here (ranks on more than one node?)")
+        return False
+    op = nb.Sum
+    for _ in range(50):  # cached, and its express plan worked out
+        nb.allreduce_(a, op=op, name="layers")
+    plan = agreement._express_plans["layers"]
+    seg, nbits = agreement.seg, agreement._vote_slots()
+    native, data = seg._native, plan.transport._native
+    dtype, op_code, factor = plan.args
+    timeout_s, stop = seg.timeout_s, seg.should_stop
+    # Below Engine.express nothing drives an op that did not run at once (a peer late by
+    # more than Engine.express's 1 ms wait, on a loaded machine): wait for the peers as
+    # long as it takes instead, and stop on any other answer rather than hang.
+    wait_s = 30.0
+
+    from nbdist.common.requests import Handle
+
+    def ran(call):  # (one frame more on each of these four rows alike)
+        def checked():
+            result = call()
+            if result is False or result.__class__ in (tuple, Handle):
+                raise RuntimeError("small_ops --layers: the op did not run at once")
+        return checked
+
+    direct = [
+        lambda: agreement.express(ALLREDUCE, "layers", a, True, op, 1.0, -1, wait_s),
+        lambda: seg.express_allreduce(plan.cid, nbits, wait_s, plan.transport, a, a,
+                                      *plan.args),
+        lambda: native.express_allreduce(plan.cid, nbits, wait_s, data, a, a, a.size, dtype,
+                                         op_code, factor, timeout_s, stop),
+        lambda: data.allreduce_into(a, a, a.size, dtype, op_code, 1.0, timeout_s, stop),
+    ]
+    cases.update({
+        "user allreduce_": lambda: nb.allreduce_(a, op=op, name="layers"),
+        "Engine.express": lambda: eng.express(ALLREDUCE, "layers", a, True, op),
+        "ShmAgreement.express": ran(direct[0]),
+        "transport express_allreduce": ran(direct[1]),
+        "native express_allreduce": ran(direct[2]),
+        "native allreduce_into": ran(direct[3]),
+    })
+    locked.update(list(cases)[-4:])
+    return True
 
 
 if __name__ == "__main__":
