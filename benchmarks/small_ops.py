@@ -117,7 +117,7 @@ def _api_cases(nb, a: np.ndarray, cases: dict) -> None:
 def _layer_cases(nb, a: np.ndarray, cases: dict, locked: set) -> bool:
     """Each layer of one cached allreduce_'s express path (--layers); False when this run
     has no shm agreement (ranks on more than one node)."""
-    from nbdist.common.requests import ALLREDUCE
+    from nbdist.common.requests import ALLREDUCE, Handle
 
     eng = nb.basics.engine()
     agreement = eng.agreement
@@ -137,8 +137,6 @@ def _layer_cases(nb, a: np.ndarray, cases: dict, locked: set) -> bool:
     # long as it takes instead, and stop on any other answer rather than hang.
     wait_s = 30.0
 
-    from nbdist.common.requests import Handle
-
     def ran(call):  # (one frame more on each of these four rows alike)
         def checked():
             result = call()
@@ -146,23 +144,21 @@ def _layer_cases(nb, a: np.ndarray, cases: dict, locked: set) -> bool:
                 raise RuntimeError("small_ops --layers: the op did not run at once")
         return checked
 
-    direct = [
-        lambda: agreement.express(ALLREDUCE, "layers", a, True, op, 1.0, -1, wait_s),
-        lambda: seg.express_allreduce(plan.cid, nbits, wait_s, plan.transport, a, a,
-                                      *plan.args),
-        lambda: native.express_allreduce(plan.cid, nbits, wait_s, data, a, a, a.size, dtype,
-                                         op_code, factor, timeout_s, stop),
-        lambda: data.allreduce_into(a, a, a.size, dtype, op_code, 1.0, timeout_s, stop),
-    ]
-    cases.update({
-        "user allreduce_": lambda: nb.allreduce_(a, op=op, name="layers"),
-        "Engine.express": lambda: eng.express(ALLREDUCE, "layers", a, True, op),
-        "ShmAgreement.express": ran(direct[0]),
-        "transport express_allreduce": ran(direct[1]),
-        "native express_allreduce": ran(direct[2]),
-        "native allreduce_into": ran(direct[3]),
-    })
-    locked.update(list(cases)[-4:])
+    held = {  # run with the agreement lock held, as Engine.express holds it
+        "ShmAgreement.express": ran(lambda: agreement.express(
+            ALLREDUCE, "layers", a, True, op, 1.0, -1, wait_s)),
+        "transport express_allreduce": ran(lambda: seg.express_allreduce(
+            plan.cid, nbits, wait_s, plan.transport, a, a, *plan.args)),
+        "native express_allreduce": ran(lambda: native.express_allreduce(
+            plan.cid, nbits, wait_s, data, a, a, a.size, dtype, op_code, factor, timeout_s,
+            stop)),
+        "native allreduce_into": ran(lambda: data.allreduce_into(
+            a, a, a.size, dtype, op_code, 1.0, timeout_s, stop)),
+    }
+    cases["user allreduce_"] = lambda: nb.allreduce_(a, op=op, name="layers")
+    cases["Engine.express"] = lambda: eng.express(ALLREDUCE, "layers", a, True, op)
+    cases.update(held)
+    locked.update(held)
     return True
 
 
