@@ -17,10 +17,13 @@
 #include "kernels.hpp"
 #include "nccl.hpp"
 #include "py_hooks.hpp"
+#include "py_shm.hpp"
 #include "shm_comm.hpp"
 
 namespace py = pybind11;
+using nbdist::PyShm;
 using nbdist::ShmComm;
+using nbdist::StopHook;
 using nbdist::WaitContext;
 
 namespace {
@@ -51,59 +54,6 @@ void reduce_scaled(ShmComm& c, const void* src, void* dst, size_t count, int dty
   if (factor != 1.0) nbdist::scale_in_place(dst, count, dtype, factor);
 }
 
-// The Python side of a ShmComm: counts ops in flight, so that close() from
-// another thread never unmaps memory a running op still uses.
-class PyShm {
- public:
-  explicit PyShm(std::unique_ptr<ShmComm> comm) : comm_(std::move(comm)) {}
-
-  // Runs `body` on the comm with the GIL released. `should_stop` (None or a
-  // callable returning a reason or None) is polled about every 100 ms once asleep.
-  template <class Body>
-  void run(const char* what, double timeout_s, const py::object& should_stop, Body&& body) {
-    WaitContext ctx;
-    ctx.what = what;
-    ctx.timeout_s = timeout_s;
-    ctx.should_stop = nbdist::make_stop_hook(should_stop);
-    active_.fetch_add(1);
-    struct Leave {
-      std::atomic<int>& a;
-      ~Leave() { a.fetch_sub(1); }
-    } leave{active_};
-    if (!comm_) throw nbdist::ShmError(std::string("shm ") + what + ": the transport is closed");
-    py::gil_scoped_release release;
-    body(*comm_, ctx);
-  }
-
-  ShmComm& comm() {
-    if (!comm_) throw nbdist::ShmError("shm: the transport is closed");
-    return *comm_;
-  }
-
-  // Aborts ops still running in other threads, waits for them to leave, unmaps.
-  void close() {
-    if (!comm_) return;
-    {
-      py::gil_scoped_release release;
-      if (active_.load() > 0) {
-        comm_->abort("the shm transport was closed while an op was running");
-        for (int i = 0; i < 200 && active_.load() > 0; ++i)
-          std::this_thread::sleep_for(std::chrono::milliseconds(10));
-      }
-    }
-    if (active_.load() > 0) {
-      comm_.release();  // an op is stuck inside: leak the mapping rather than crash it
-      return;
-    }
-    comm_->unlink();
-    comm_.reset();
-  }
-
- private:
-  std::unique_ptr<ShmComm> comm_;
-  std::atomic<int> active_{0};
-};
-
 // Quiet: no rank has items, and the op of cache bit `bit` is ready on every rank.
 bool quiet_vote(const int32_t* v, int n, int64_t bit) {
   if (v[n + bit] == 0) return false;
@@ -131,7 +81,7 @@ struct Packed {
 // None when the op ran; else the vote's answer, as agree() returns it.
 template <class RunData>
 py::object agree_then(PyShm& s, int64_t bit, int64_t nbits, const Packed& packed, RunData run_data,
-                      double timeout_s, const py::object& stop) {
+                      double timeout_s, const StopHook& stop) {
   const int n = s.comm().size();
   if (bit < 0 || bit >= nbits) throw py::value_error("agreement: cache bit out of range");
   std::vector<int32_t> vec = vote_words(n, nbits);
@@ -164,7 +114,7 @@ py::object agree_then(PyShm& s, int64_t bit, int64_t nbits, const Packed& packed
 
 py::object agree_allreduce(PyShm& s, int64_t bit, int64_t nbits, PyShm& data, const py::array& src,
                            const py::array& dst, size_t count, int dtype, int op, double factor,
-                           double timeout_s, const py::object& stop) {
+                           double timeout_s, const StopHook& stop) {
   check_factor(dtype, factor);
   Packed packed;
   // Small enough to travel with the vote: then one synchronisation does both.
@@ -180,7 +130,7 @@ py::object agree_allreduce(PyShm& s, int64_t bit, int64_t nbits, PyShm& data, co
 
 py::object agree_allgather(PyShm& s, int64_t bit, int64_t nbits, PyShm& data, const py::array& send,
                            const py::array& recv, const std::vector<int64_t>& byte_counts,
-                           double timeout_s, const py::object& stop) {
+                           double timeout_s, const StopHook& stop) {
   return agree_then(s, bit, nbits, Packed{}, [&]() {
     data.run("allgather", timeout_s, stop, [&, from = data_of(send), to = data_of(recv)](
                                                ShmComm& c, WaitContext& ctx) {
@@ -190,7 +140,7 @@ py::object agree_allgather(PyShm& s, int64_t bit, int64_t nbits, PyShm& data, co
 }
 
 py::object agree_broadcast(PyShm& s, int64_t bit, int64_t nbits, PyShm& data, const py::array& buf,
-                           size_t nbytes, int root, double timeout_s, const py::object& stop) {
+                           size_t nbytes, int root, double timeout_s, const StopHook& stop) {
   return agree_then(s, bit, nbits, Packed{}, [&]() {
     data.run("broadcast", timeout_s, stop, [&, p = data_of(buf)](ShmComm& c, WaitContext& ctx) {
       c.broadcast(p, nbytes, root, ctx);
@@ -355,7 +305,14 @@ void bind_shm(py::module_& m) {
            py::arg("factor") = 1.0, py::arg("timeout_s") = 0.0, py::arg("should_stop") = py::none(),
            "One allreduce over several buffers (a fused unit): srcs[i] reduced into dsts[i],\n"
            "then each dst *= factor (float32 and float64 only).")
-      .def("agree_allreduce", &agree_allreduce, py::arg("bit"), py::arg("nbits"), py::arg("data"),
+      .def("agree_allreduce",
+           [](PyShm& s, int64_t bit, int64_t nbits, PyShm& data, const py::array& src,
+              const py::array& dst, size_t count, int dtype, int op, double factor, double timeout_s,
+              py::object stop) {
+             return agree_allreduce(s, bit, nbits, data, src, dst, count, dtype, op, factor,
+                                    timeout_s, nbdist::make_stop_hook(stop));
+           },
+           py::arg("bit"), py::arg("nbits"), py::arg("data"),
            py::arg("src").noconvert(), py::arg("dst").noconvert(), py::arg("count"),
            py::arg("dtype"), py::arg("op"), py::arg("factor") = 1.0, py::arg("timeout_s") = 0.0,
            py::arg("should_stop") = py::none(),
@@ -365,10 +322,8 @@ void bind_shm(py::module_& m) {
            [](PyShm& s, int64_t bit, int64_t nbits, double wait_s, PyShm& data, const py::array& src,
               const py::array& dst, size_t count, int dtype, int op, double factor, double timeout_s,
               py::object stop) {
-             return express(s, wait_s, [&]() {
-               return agree_allreduce(s, bit, nbits, data, src, dst, count, dtype, op, factor,
-                                      timeout_s, stop);
-             });
+             return nbdist::express_allreduce(s, bit, nbits, wait_s, data, src, dst, count, dtype,
+                                              op, factor, timeout_s, nbdist::make_stop_hook(stop));
            },
            py::arg("bit"), py::arg("nbits"), py::arg("wait_s"), py::arg("data"),
            py::arg("src").noconvert(), py::arg("dst").noconvert(), py::arg("count"),
@@ -383,7 +338,7 @@ void bind_shm(py::module_& m) {
               py::object stop) {
              return express(s, wait_s, [&]() {
                return agree_allgather(s, bit, nbits, data, send, recv, byte_counts, timeout_s,
-                                      stop);
+                                      nbdist::make_stop_hook(stop));
              });
            },
            py::arg("bit"), py::arg("nbits"), py::arg("wait_s"), py::arg("data"),
@@ -394,7 +349,8 @@ void bind_shm(py::module_& m) {
            [](PyShm& s, int64_t bit, int64_t nbits, double wait_s, PyShm& data, const py::array& buf,
               size_t nbytes, int root, double timeout_s, py::object stop) {
              return express(s, wait_s, [&]() {
-               return agree_broadcast(s, bit, nbits, data, buf, nbytes, root, timeout_s, stop);
+               return agree_broadcast(s, bit, nbits, data, buf, nbytes, root, timeout_s,
+                                      nbdist::make_stop_hook(stop));
              });
            },
            py::arg("bit"), py::arg("nbits"), py::arg("wait_s"), py::arg("data"),
@@ -457,6 +413,15 @@ void bind_shm(py::module_& m) {
 
 }  // namespace
 
+py::object nbdist::express_allreduce(PyShm& s, int64_t bit, int64_t nbits, double wait_s,
+                                     PyShm& data, const py::array& src, const py::array& dst,
+                                     size_t count, int dtype, int op, double factor,
+                                     double timeout_s, const StopHook& stop) {
+  return express(s, wait_s, [&]() {
+    return agree_allreduce(s, bit, nbits, data, src, dst, count, dtype, op, factor, timeout_s, stop);
+  });
+}
+
 PYBIND11_MODULE(_native, m) {
   m.doc() = "nbdist native data path: shared-memory collectives and a dlopen'ed NCCL path";
   py::register_exception<nbdist::ShmError>(m, "ShmError", PyExc_RuntimeError);
@@ -475,5 +440,6 @@ PYBIND11_MODULE(_native, m) {
       },
       "Reduce arrays of one process element-wise (tests and benchmarks of the kernels).");
   bind_shm(m);
+  nbdist::bind_express(m);
   nbdist::bind_nccl(m);
 }

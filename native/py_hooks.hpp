@@ -9,10 +9,13 @@
 
 namespace nbdist {
 
+// Polled while an op waits: true (and a reason) to give up.
+using StopHook = std::function<bool(std::string&)>;
+
 // `hook` must stay alive for as long as the returned function may be called
 // (the bindings pass the argument of the running call). Borrowing the raw
 // pointer means no reference counting happens without the GIL.
-inline std::function<bool(std::string&)> make_stop_hook(const pybind11::object& hook) {
+inline StopHook make_stop_hook(const pybind11::object& hook) {
   if (hook.is_none()) return {};
   PyObject* raw = hook.ptr();
   return [raw](std::string& reason) -> bool {

@@ -43,6 +43,7 @@ from __future__ import annotations
 import copy
 import math
 import pickle
+import signal
 import threading
 import time
 
@@ -51,6 +52,7 @@ import numpy as np
 from . import buffers, timeline
 from .negotiation import Coordinator
 from .requests import ALLGATHER, ALLREDUCE, AutoName, Handle, Request, signature
+from .transport import TransportError
 from .transports._dtypes import dtype_code, op_code
 
 DEMOTE_S = 0.25  # a cached op waiting longer than this is sent in full (stall bookkeeping)
@@ -138,11 +140,38 @@ class ShmAgreement:
         self.last_cycle = 0.0
         self.news = False
         # cycles; those with items; ops run by the vote's own native call (_vote_and_run_one,
-        # express); of those, ops that had no Request or Handle (express)
-        self.stats = {"cycles": 0, "item_cycles": 0, "ran_with_vote": 0, "express": 0}
+        # express); of those, ops that had no Request or Handle (express); see stats
+        self._counts = {"cycles": 0, "item_cycles": 0, "ran_with_vote": 0, "express": 0}
         # name -> what express() needs of that cached op (see _express_plan); (kind,) for
         # the last unnamed op of that kind
         self._express_plans: dict[str | tuple, _ExpressPlan] = {}
+        # The named allreduces' plans again, in the native table that runs them with no
+        # Python at all (ops.allreduce calls it first); its runs count in the stats.
+        self.express_table = self._new_express_table()
+        engine.executor.counted_elsewhere = self._express_table_runs
+
+    def _new_express_table(self):
+        from nbdist import _native
+
+        from . import process_sets
+        from .engine import _MAIN_THREAD_ID, EXPRESS_WAIT_S, SHUTTING_DOWN, _sigint_gate
+
+        return _native.ExpressTable(
+            self.native, self.engine, self, _sigint_gate, signal.getsignal, _MAIN_THREAD_ID,
+            vars(timeline), process_sets.global_process_set, EXPRESS_WAIT_S, self.seg.timeout_s,
+            buffers.POOL_MIN_BYTES, buffers.empty_like, SHUTTING_DOWN)
+
+    def _express_table_runs(self) -> int:
+        return self.express_table.runs
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """The counters (see _counts), with the ops the express table ran."""
+        stats = dict(self._counts)
+        ran = self.express_table.runs
+        for key in ("cycles", "ran_with_vote", "express"):
+            stats[key] += ran
+        return stats
 
     # -- what this rank has to say --------------------------------------------------------
     def _bit_ok(self, name: str) -> bool:
@@ -243,7 +272,7 @@ class ShmAgreement:
         self.last_cycle = time.monotonic()
         self.news = False
         self.native.publish_queued(len(self.bit_pending))
-        self.stats["cycles"] += 1
+        self._counts["cycles"] += 1
         return self._vote_slots()
 
     def _vote_slots(self) -> int:
@@ -273,7 +302,7 @@ class ShmAgreement:
         self.native.publish_queued(len(self.bit_pending))
         units: list[list] = []
         if any(lengths):  # some rank sent items: new or changed ops, aborts, timeouts
-            self.stats["item_cycles"] += 1
+            self._counts["item_cycles"] += 1
             per_rank: list[list] = [[] for _ in range(size)]
             recv = np.empty(sum(lengths), np.uint8)
             self.seg.allgatherv(np.frombuffer(payload, np.uint8), recv, lengths)
@@ -355,7 +384,7 @@ class ShmAgreement:
         if voted is not None:
             return voted
         del bit_pending[cid]  # the native call published this rank's queue as empty
-        self.stats["ran_with_vote"] += 1
+        self._counts["ran_with_vote"] += 1
         eng = self.engine
         executor.complete_planned(resp, req, out, eng._local, eng._release_names)
         return _RAN
@@ -402,15 +431,33 @@ class ShmAgreement:
         if voted is not False:
             self.last_cycle = time.monotonic()
         if voted is None:
-            stats = self.stats
+            stats = self._counts
             stats["cycles"] += 1
             stats["ran_with_vote"] += 1
             stats["express"] += 1
             eng.executor.count_planned(kind)
             return out
-        # Not run now: the op waits as this rank's cache bit, as if submitted.
+        return self._express_waits(kind, name, array, inplace, plan, voted)
+
+    def express_resumed(self, name: str, array: np.ndarray, inplace: bool, voted, error):
+        """The rest of an allreduce the express table started and did not finish (the lock
+        held): what express() does after its native call. `voted` is that call's answer
+        (False, or the vote's), `error` the message it failed with, or None."""
+        if error is not None:
+            raise TransportError(error)
+        if voted is not False:
+            self.last_cycle = time.monotonic()
+        return self._express_waits(ALLREDUCE, name, array, inplace, self._express_plans[name],
+                                   voted)
+
+    def _express_waits(self, kind: str, name: str, array: np.ndarray, inplace: bool,
+                       plan: _ExpressPlan, voted) -> Handle:
+        """An express op that did not run at once: it waits as this rank's cache bit, as if
+        submitted; its Handle."""
+        eng = self.engine
         req = Request(name=name, kind=kind, array=array, inplace=inplace,
-                      signature=plan.sig, handle=Handle(name), named=not auto)
+                      signature=plan.sig, handle=Handle(name),
+                      named=name.__class__ is not AutoName)
         req.handle.engine = eng
         with eng._cv:
             eng._names_in_flight.add(name)
@@ -421,7 +468,7 @@ class ShmAgreement:
             self.news = True
         else:  # the peers are in this cycle: finish it
             self.news = False
-            self.stats["cycles"] += 1
+            self._counts["cycles"] += 1
             self._after_vote(b"", *voted)
         return req.handle
 
@@ -445,7 +492,12 @@ class ShmAgreement:
             transport, _, _, transport_op, factor = planned
             plan = _ExpressPlan(kind, cid, sig, array, op, postscale, root, transport,
                                 (dtype_code(array.dtype), op_code(transport_op), factor))
+            if name.__class__ is str:  # a named op: the native table runs it from now on
+                self.express_table.enter(name, cid, array.dtype, array.shape, op, postscale,
+                                         self.seg._native_of(transport), *plan.args)
         else:
+            if name.__class__ is str:
+                self.express_table.forget(name)  # (an allreduce's, of this name, if any)
             transport = executor.choose(resp.device, kind)
             if resp.device != "cpu" or not hasattr(transport, "express_" + kind):
                 return None
@@ -462,5 +514,6 @@ class ShmAgreement:
 
     def close(self, reason: str) -> None:
         """Release peers that wait in a cycle for this rank, then unmap the segment."""
+        self.express_table.close()
         self.seg.abort(reason)
         self.seg.close()

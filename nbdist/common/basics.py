@@ -61,6 +61,8 @@ def _init(comm) -> None:
         engine = Engine(topology, config,
                         lambda should_stop: TransportSet(config, topology, should_stop))
         _state.update(engine=engine, topology=topology, config=config)
+        if engine.agreement is not None:  # the global set's cached allreduces: native first
+            engine.agreement.express_table.make_default()
         report = sys.modules.get("nbdist.rank.report")
         if report is not None:  # an elastic resize renumbers the ranks: report under the new one
             report.rank_changed(topology.rank)

@@ -63,6 +63,7 @@ DRIVE_WAIT_S = 2e-3
 # peers to queue it too before it is queued as usual (Engine.express); it is part of
 # DRIVE_WAIT_S: the driving that follows has the rest.
 EXPRESS_WAIT_S = 1e-3
+SHUTTING_DOWN = "nbdist is shutting down"  # why ops that wait give up at stop()
 
 
 def _fine_timer_slack() -> None:
@@ -286,13 +287,26 @@ class Engine:
         lock = agreement.lock
         if not (lock.acquire(False) or lock.acquire(timeout=DRIVE_WAIT_S)):
             return None
-        gated = _sigint_gate.enter()
+        return self._express_locked(agreement, _sigint_gate.enter(), agreement.express, kind,
+                                    name, array, inplace, op, postscale, root, EXPRESS_WAIT_S)
+
+    def express_resume(self, name: str, array, inplace: bool, started: tuple):
+        """The rest of an allreduce the native express table started (ops.allreduce): it
+        returned `started`, (vote, output, error, Ctrl-C gate entered), with the agreement
+        lock held. The result, or a Handle, as express() returns them."""
+        voted, _, error, gated = started
+        agreement = self.agreement
+        return self._express_locked(agreement, gated, agreement.express_resumed, name, array,
+                                    inplace, voted, error)
+
+    def _express_locked(self, agreement, gated: bool, step, *args):
+        """express()'s work under the agreement lock, which it releases: step(*args) (the op
+        published as queued from its start), then the driving of a Handle it returns."""
         result = None
         try:
             # (the native call holds the engine thread's activity watch from its start, and
             # lets go once the op ran: see hold(); else it is let go below)
-            result = agreement.express(kind, name, array, inplace, op, postscale, root,
-                                       EXPRESS_WAIT_S)
+            result = step(*args)
             if result.__class__ is Handle:
                 self._drive_locked(agreement, result, DRIVE_WAIT_S - EXPRESS_WAIT_S)
         except BaseException as exc:
@@ -302,7 +316,7 @@ class Engine:
         finally:
             if result is None or result.__class__ is Handle:
                 agreement.hold(False)
-            lock.release()
+            agreement.lock.release()
             # Unlike drive(), no ring for a peer that started a cycle meanwhile: in a loop of
             # synchronous ops this thread joins it with its next op in microseconds, and a
             # woken engine thread would join it first, without that op (the peer's then
@@ -368,7 +382,7 @@ class Engine:
 
     def _should_stop(self) -> str | None:
         """Asked by transports while they wait: a reason to give up, or None."""
-        return "nbdist is shutting down" if self._stopping else None
+        return SHUTTING_DOWN if self._stopping else None
 
     def _take_queued(self) -> tuple[list, list] | None:
         """The ops and control items queued since the last look, or None once stop() was asked."""

@@ -328,6 +328,19 @@ def _abort_interrupted(name: str) -> None:
 
 
 # -- allreduce -----------------------------------------------------------------------------
+def _no_native_allreduce(*args) -> None:
+    return None
+
+
+try:
+    # The first thing a synchronous allreduce tries: a named CPU op the response cache knows,
+    # checked and run in one native call (the shm agreement's express table: agreement.py).
+    # None: not that case, nothing was done; a tuple: started, for Python to finish.
+    from nbdist._native import express_allreduce as _native_allreduce
+except ImportError:  # no native module: no shm agreement either
+    _native_allreduce = _no_native_allreduce
+
+
 def _allreduce(array, op, name: str | None, prescale: float, postscale: float, process_set,
                inplace: bool, wait: bool):
     """Every allreduce form: checks, then the op submitted (its Handle) or, with `wait`, its
@@ -367,8 +380,21 @@ def _express(engine, kind: str, name, array: np.ndarray, inplace: bool, op=0,
     the op under that same name when this returns None)."""
     if engine.agreement is None or (name.__class__ is not str and name.__class__ is not AutoName):
         return None
+    return _express_done(name, engine.express, kind, name, array, inplace, op, postscale, root)
+
+
+def _resume_allreduce(name: str | None, array: np.ndarray, inplace: bool, started: tuple):
+    """The result of an allreduce the native express table started and did not finish (it
+    takes named ops only: `name` is a str)."""
+    engine, name = basics.engine(), str(name)
+    return _express_done(name, engine.express_resume, name, array, inplace, started)
+
+
+def _express_done(name: str, express, *args):
+    """express(*args) (Engine.express or express_resume), then the wait for a Handle it
+    returns; a Ctrl-C meanwhile aborts the op on every rank."""
     try:
-        done = engine.express(kind, name, array, inplace, op, postscale, root)
+        done = express(*args)
     except KeyboardInterrupt:
         _abort_interrupted(name)
         raise
@@ -409,16 +435,24 @@ def allreduce(array, op=ReduceOp.Average, name: str | None = None,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
               process_set=None) -> np.ndarray:
     """Reduce `array` over all ranks (Average by default); returns a new array."""
-    return _allreduce(array, op, name, prescale_factor, postscale_factor, process_set,
-                      inplace=False, wait=True)
+    done = _native_allreduce(array, op, name, prescale_factor, postscale_factor, process_set,
+                             False)
+    if done is None:
+        return _allreduce(array, op, name, prescale_factor, postscale_factor, process_set,
+                          inplace=False, wait=True)
+    return _resume_allreduce(name, array, False, done) if done.__class__ is tuple else done
 
 
 def allreduce_(array, op=ReduceOp.Average, name: str | None = None,
                prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                process_set=None) -> np.ndarray:
     """Reduce `array` over all ranks in place; returns `array`."""
-    return _allreduce(array, op, name, prescale_factor, postscale_factor, process_set,
-                      inplace=True, wait=True)
+    done = _native_allreduce(array, op, name, prescale_factor, postscale_factor, process_set,
+                             True)
+    if done is None:
+        return _allreduce(array, op, name, prescale_factor, postscale_factor, process_set,
+                          inplace=True, wait=True)
+    return _resume_allreduce(name, array, True, done) if done.__class__ is tuple else done
 
 
 def _group_names(name: str | None, count: int) -> list[str | None]:
