@@ -1,8 +1,9 @@
 // The express table: the one native call under a synchronous hvd.allreduce / allreduce_ of
-// a named CPU op that the response cache knows (nbdist/common/agreement.py, ShmAgreement).
+// a CPU op that the response cache knows (nbdist/common/agreement.py, ShmAgreement).
 //
 // Python works an op's plan out once (ShmAgreement._express_plan: cache id, transport,
-// native codes) and enters it here under the op's name. From then on express_allreduce(),
+// native codes) and enters it here under the op's name (None: the unnamed ops' template of
+// that signature, numbered here as Engine.auto_name numbers them). From then on express_allreduce(),
 // called first thing by nbdist.common's allreduce and allreduce_, checks in C++ what the
 // Python path would check (the user's arguments against the plan, the engine with nothing
 // else in flight), takes the agreement lock without waiting, and runs the vote and the
@@ -94,6 +95,7 @@ class ExpressTable {
     stopping_key_ = py::str("_stopping");
     last_cycle_key_ = py::str("last_cycle");
     depth_key_ = py::str("depth");
+    counter_key_ = py::str("auto_name_counter");
     // Polled while the op waits: the engine's flag, read without running Python code.
     PyObject* eng = engine_.ptr();
     stop_ = [eng, reason = std::move(stop_reason)](std::string& why) {
@@ -107,8 +109,8 @@ class ExpressTable {
     };
   }
 
-  // Enter (or replace) the plan of the op named `name`.
-  void enter(py::str name, int64_t cid, py::object dtype, std::vector<Py_ssize_t> shape,
+  // Enter (or replace) the plan of the op named `name`; None: of the next unnamed op.
+  void enter(py::object name, int64_t cid, py::object dtype, std::vector<Py_ssize_t> shape,
              py::object op, double postscale, py::object data, int dtype_code, int op_code,
              double factor) {
     PyShm* shm = &data.cast<PyShm&>();
@@ -125,7 +127,7 @@ class ExpressTable {
     plans_list_.push_back(std::move(plan));
   }
 
-  void forget(py::str name) {
+  void forget(py::object name) {
     if (PyDict_DelItem(plans_.ptr(), name.ptr()) != 0) PyErr_Clear();
   }
 
@@ -157,6 +159,9 @@ class ExpressTable {
     py::object out = inplace ? py::reinterpret_borrow<py::object>(array)
                              : output_like(array, count * plan->itemsize);
     if (!try_lock()) return py::none();
+    // An unnamed op is numbered as Engine.auto_name numbers it (Python gives the name
+    // itself only to an op that must wait: Engine.last_auto_name).
+    if (name == Py_None) count_unnamed();
     const int64_t nbits = (PyDict_GET_SIZE(cache_by_id_.ptr()) + 15) / 16 * 16;
     // (read now: the table may change while the op lets the GIL go)
     const int64_t cid = plan->cid;
@@ -210,7 +215,8 @@ class ExpressTable {
   const Plan* plan_for(PyObject* array, PyObject* op, PyObject* name, PyObject* prescale,
                        PyObject* postscale, PyObject* process_set, bool inplace) {
     auto& api = py::detail::npy_api::get();
-    if (closed_ || Py_TYPE(array) != api.PyArray_Type_ || !PyUnicode_CheckExact(name)) return nullptr;
+    if (closed_ || Py_TYPE(array) != api.PyArray_Type_ || (!PyUnicode_CheckExact(name) && name != Py_None))
+      return nullptr;
     if (process_set != Py_None && process_set != global_set_.ptr()) return nullptr;
     double pre = 0.0, post = 0.0;
     if (!number_of(prescale, pre) || pre != 1.0 || !number_of(postscale, post)) return nullptr;
@@ -238,13 +244,21 @@ class ExpressTable {
         PyObject_Size(control_items_.ptr()) != 0 || PyDict_GET_SIZE(bit_pending_.ptr()) != 0 ||
         PyList_GET_SIZE(ready_.ptr()) != 0 || PyList_GET_SIZE(joined_.ptr()) != 0)
       return false;
-    if (PyDict_GET_SIZE(pending_.ptr()) != 0 && PyDict_Contains(pending_.ptr(), name) != 0)
+    // (an unnamed op's name is not given yet: any op the replicas track might be it)
+    if (PyDict_GET_SIZE(pending_.ptr()) != 0 &&
+        (name == Py_None || PyDict_Contains(pending_.ptr(), name) != 0))
       return false;
-    if (PyDict_GET_SIZE(tombstones_.ptr()) != 0 && PyDict_Contains(tombstones_.ptr(), name) != 0)
+    if (PyDict_GET_SIZE(tombstones_.ptr()) != 0 &&
+        (name == Py_None || PyDict_Contains(tombstones_.ptr(), name) != 0))
       return false;
     PyObject* active = PyDict_GetItemWithError(timeline_.ptr(), active_key_.ptr());
     if (active != nullptr && active != Py_None) return false;
     return flag_off(broken_key_) && flag_off(stopping_key_);
+  }
+
+  void count_unnamed() {
+    py::object n = engine_.attr(counter_key_);
+    engine_.attr(counter_key_) = py::int_(n.cast<int64_t>() + 1);
   }
 
   bool flag_off(const py::str& attr) const {
@@ -303,7 +317,8 @@ class ExpressTable {
   PyShm* control_shm_;
   py::object queue_, local_, control_items_, bit_pending_, ready_, joined_, pending_, tombstones_,
       cache_by_id_, acquire_, release_, sigint_;
-  py::str active_key_, broken_key_, stopping_key_, last_cycle_key_, depth_key_;
+  py::str active_key_, broken_key_, stopping_key_, last_cycle_key_, depth_key_,
+      counter_key_;
   StopHook stop_;
   py::dict plans_;  // name -> index in plans_list_
   std::vector<Plan> plans_list_;

@@ -447,8 +447,8 @@ class ShmAgreement:
             raise TransportError(error)
         if voted is not False:
             self.last_cycle = time.monotonic()
-        return self._express_waits(ALLREDUCE, name, array, inplace, self._express_plans[name],
-                                   voted)
+        plan = self._express_plans[(ALLREDUCE,) if name.__class__ is AutoName else name]
+        return self._express_waits(ALLREDUCE, name, array, inplace, plan, voted)
 
     def _express_waits(self, kind: str, name: str, array: np.ndarray, inplace: bool,
                        plan: _ExpressPlan, voted) -> Handle:
@@ -492,8 +492,10 @@ class ShmAgreement:
             transport, _, _, transport_op, factor = planned
             plan = _ExpressPlan(kind, cid, sig, array, op, postscale, root, transport,
                                 (dtype_code(array.dtype), op_code(transport_op), factor))
-            if name.__class__ is str:  # a named op: the native table runs it from now on
-                self.express_table.enter(name, cid, array.dtype, array.shape, op, postscale,
+            # the native table runs it from now on (an unnamed op's plan: under None)
+            if name.__class__ is str or name.__class__ is AutoName:
+                self.express_table.enter(None if name.__class__ is AutoName else name, cid,
+                                         array.dtype, array.shape, op, postscale,
                                          self.seg._native_of(transport), *plan.args)
         else:
             if name.__class__ is str:

@@ -196,6 +196,11 @@ class Engine:
     def auto_name(self, kind: str) -> AutoName:
         """A name for an unnamed op; the counter restarts at each epoch so ranks stay aligned."""
         self.auto_name_counter += 1
+        return self.last_auto_name(kind)
+
+    def last_auto_name(self, kind: str) -> AutoName:
+        """The name auto_name() gave last (the express table numbers the unnamed ops it runs
+        by counting alone, and names one only when it must wait: ops.allreduce)."""
         return AutoName(f"{kind}.noname.{self.epoch}.{self.join_round}.{self.auto_name_counter}")
 
     def joined_all(self) -> None:

@@ -384,10 +384,11 @@ def _express(engine, kind: str, name, array: np.ndarray, inplace: bool, op=0,
 
 
 def _resume_allreduce(name: str | None, array: np.ndarray, inplace: bool, started: tuple):
-    """The result of an allreduce the native express table started and did not finish (it
-    takes named ops only: `name` is a str)."""
-    engine, name = basics.engine(), str(name)
-    return _express_done(name, engine.express_resume, name, array, inplace, started)
+    """The result of an allreduce the native express table started and did not finish (an
+    unnamed op was numbered there: its name is the last one given)."""
+    engine = basics.engine()
+    op_name = engine.last_auto_name(ALLREDUCE) if name is None else name
+    return _express_done(op_name, engine.express_resume, op_name, array, inplace, started)
 
 
 def _express_done(name: str, express, *args):

@@ -481,6 +481,55 @@ def test_cached_sync_allreduce_meets_a_peer_with_a_new_op():
         assert summed.tolist() == [float(SIZE)] * 2
 
 
+def test_arguments_the_cached_plan_does_not_cover_take_the_python_path():
+    # After a name's plan is in the native express table, a call it does not cover (another
+    # op, dtype, shape or postscale; a strided or read-only array; a process set) is checked
+    # and run as before: right results, the same clear errors.
+    x = np.full(6, RANK + 1.0)
+    total = SIZE * (SIZE + 1) / 2
+    for _ in range(3):
+        np.testing.assert_array_equal(hvd.allreduce(x, op=hvd.Sum, name="plan.x"), total)
+    np.testing.assert_array_equal(hvd.allreduce(x, op=hvd.Max, name="plan.max"), SIZE)
+    np.testing.assert_array_equal(
+        hvd.allreduce(x, op=hvd.Sum, name="plan.x", postscale_factor=2.0), 2 * total)
+    np.testing.assert_array_equal(
+        hvd.allreduce(x.astype(np.float32), op=hvd.Sum, name="plan.f32"), total)
+    np.testing.assert_array_equal(
+        hvd.allreduce(np.full(12, RANK + 1.0)[::2], op=hvd.Sum, name="plan.strided"), total)
+    np.testing.assert_array_equal(
+        hvd.allreduce(x, op=hvd.Sum, name="plan.x", process_set=hvd.global_process_set), total)
+    frozen = x.copy()
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="writeable"):
+        hvd.allreduce_(frozen, op=hvd.Sum, name="plan.x")
+    with pytest.raises(TypeError, match="Python list"):
+        hvd.allreduce_([1.0, 2.0], op=hvd.Sum, name="plan.x")
+    np.testing.assert_array_equal(hvd.allreduce(x, op=hvd.Sum, name="plan.x"), total)
+
+
+def test_unnamed_ops_keep_one_numbering_when_ranks_take_different_paths():
+    # Rank 0 has another op in flight, so its unnamed allreduce goes through Python, while
+    # the others' run in the native table: every rank must still number them alike.
+    x = np.full(5, RANK + 1.0)
+    total = SIZE * (SIZE + 1) / 2
+    for _ in range(3):
+        np.testing.assert_array_equal(hvd.allreduce(x, op=hvd.Sum), total)
+    for step in range(6):
+        if RANK == 0 and step % 2:
+            handle = hvd.allreduce_async(np.ones(2), op=hvd.Sum, name=f"numbering.{step}")
+            got = hvd.allreduce(x, op=hvd.Sum)
+            other = hvd.synchronize(handle)
+        else:
+            got = hvd.allreduce(x, op=hvd.Sum)
+            other = (hvd.allreduce(np.ones(2), op=hvd.Sum, name=f"numbering.{step}")
+                     if step % 2 else np.full(2, float(SIZE)))
+        np.testing.assert_array_equal(got, total)
+        np.testing.assert_array_equal(other, float(SIZE))
+    engine = hvd.basics.engine()
+    counters = hvd.allgather_object(engine.auto_name_counter)
+    assert len(set(counters)) == 1, counters
+
+
 def test_changed_shape_under_a_cached_name_is_a_mismatch():
     for _ in range(2):
         hvd.allreduce(np.ones(4), name="reshape.x")
