@@ -43,7 +43,6 @@ from __future__ import annotations
 import copy
 import math
 import pickle
-import signal
 import threading
 import time
 
@@ -154,10 +153,11 @@ class ShmAgreement:
         from nbdist import _native
 
         from . import process_sets
-        from .engine import _MAIN_THREAD_ID, EXPRESS_WAIT_S, SHUTTING_DOWN, _sigint_gate
+        from .engine import (_MAIN_THREAD_ID, EXPRESS_WAIT_S, SHUTTING_DOWN, _signal,
+                             _sigint_gate)
 
         return _native.ExpressTable(
-            self.native, self.engine, self, _sigint_gate, signal.getsignal, _MAIN_THREAD_ID,
+            self.native, self.engine, self, _sigint_gate, _signal.getsignal, _MAIN_THREAD_ID,
             vars(timeline), process_sets.global_process_set, EXPRESS_WAIT_S, self.seg.timeout_s,
             buffers.POOL_MIN_BYTES, buffers.empty_like, SHUTTING_DOWN)
 
