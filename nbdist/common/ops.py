@@ -145,9 +145,13 @@ def resolve_op(op, what: str, dtype=None, average=None, kind: str = ALLREDUCE) -
     op can reduce; `kind` is ALLREDUCE, or REDUCESCATTER or SPARSE, which accept only
     Average and Sum.
     """
-    if op.__class__ is ReduceOp and average is None and kind == ALLREDUCE \
-            and op != ReduceOp.Adasum and dtype != np.bool_:
-        return op  # the common case, without the enum's constructor
+    if average is None and kind == ALLREDUCE and dtype != np.bool_:
+        # the common cases, without the enum's constructor: a ReduceOp, or Horovod's
+        # default (op=None: Average)
+        if op is None:
+            return ReduceOp.Average
+        if op.__class__ is ReduceOp and op != ReduceOp.Adasum:
+            return op
     op = handle_average_backwards_compatibility(op, average)
     try:
         op = ReduceOp(int(op))

@@ -33,6 +33,12 @@ def _rank() -> str:
 
 def check_tensor(tensor, what: str, reduction: bool = False) -> None:
     """TypeError, naming the op and the rank, for anything that is not a supported tensor."""
+    # The common case first, in the fewest tensor attribute reads (~60 ns each): a dense
+    # (strided: not sparse) CPU or CUDA tensor of a dtype the op takes.
+    if (tensor.__class__ is torch.Tensor and tensor.layout is torch.strided
+            and tensor.dtype in (_REDUCIBLE if reduction else SUPPORTED)
+            and (tensor.is_cpu or tensor.is_cuda)):
+        return
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what} on {_rank()}: expected a torch.Tensor, got {type(tensor).__name__}")
     if tensor.is_sparse or tensor.layout != torch.strided:
