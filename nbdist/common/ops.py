@@ -387,6 +387,17 @@ def _express(engine, kind: str, name, array: np.ndarray, inplace: bool, op=0,
     return _express_done(name, engine.express, kind, name, array, inplace, op, postscale, root)
 
 
+def try_express_allreduce(array, op, name: str | None, prescale: float, postscale: float,
+                          process_set, inplace: bool):
+    """A synchronous allreduce's result through the native express table (the first thing
+    allreduce and allreduce_ try, and torch's for a plain CPU tensor), or None when the
+    table did not take it: nothing was done, and the caller goes the checked way."""
+    done = _native_allreduce(array, op, name, prescale, postscale, process_set, inplace)
+    if done.__class__ is tuple:  # started there: finished here
+        return _resume_allreduce(name, array, inplace, done)
+    return done
+
+
 def _resume_allreduce(name: str | None, array: np.ndarray, inplace: bool, started: tuple):
     """The result of an allreduce the native express table started and did not finish (an
     unnamed op was numbered there: its name is the last one given)."""
@@ -440,24 +451,24 @@ def allreduce(array, op=ReduceOp.Average, name: str | None = None,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
               process_set=None) -> np.ndarray:
     """Reduce `array` over all ranks (Average by default); returns a new array."""
-    done = _native_allreduce(array, op, name, prescale_factor, postscale_factor, process_set,
-                             False)
+    done = try_express_allreduce(array, op, name, prescale_factor, postscale_factor,
+                                 process_set, False)
     if done is None:
         return _allreduce(array, op, name, prescale_factor, postscale_factor, process_set,
                           inplace=False, wait=True)
-    return _resume_allreduce(name, array, False, done) if done.__class__ is tuple else done
+    return done
 
 
 def allreduce_(array, op=ReduceOp.Average, name: str | None = None,
                prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                process_set=None) -> np.ndarray:
     """Reduce `array` over all ranks in place; returns `array`."""
-    done = _native_allreduce(array, op, name, prescale_factor, postscale_factor, process_set,
-                             True)
+    done = try_express_allreduce(array, op, name, prescale_factor, postscale_factor,
+                                 process_set, True)
     if done is None:
         return _allreduce(array, op, name, prescale_factor, postscale_factor, process_set,
                           inplace=True, wait=True)
-    return _resume_allreduce(name, array, True, done) if done.__class__ is tuple else done
+    return done
 
 
 def _group_names(name: str | None, count: int) -> list[str | None]:

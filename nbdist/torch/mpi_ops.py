@@ -15,7 +15,8 @@ import torch
 from nbdist import common as _c
 from nbdist.common.engine import blocking
 from nbdist.common.ops import (REDUCESCATTER, SPARSE,  # noqa: F401 (handle_... re-exported)
-                               handle_average_backwards_compatibility, resolve_op)
+                               handle_average_backwards_compatibility, resolve_op,
+                               try_express_allreduce)
 from nbdist.common.ops_base import Adasum, Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401 (re-exported)
 
 from . import tensor_util as _tu
@@ -134,6 +135,12 @@ def _allreduce_submit(tensor, name, op, prescale_factor, postscale_factor, ps=No
 def _allreduce_now(tensor, name, op, prescale_factor, postscale_factor, ps=None) -> torch.Tensor:
     """allreduce's result, waited for: a CPU tensor goes through the common layer's
     synchronous form, which runs an op the response cache knows at once, in this thread."""
+    view = _tu.express_view(tensor)
+    if view is not None:  # an op the response cache knows may run in one native call
+        done = try_express_allreduce(view, op, name, prescale_factor, postscale_factor, ps,
+                                     False)
+        if done is not None:
+            return torch.from_numpy(done)
     _tu.check_tensor(tensor, "allreduce", reduction=True)
     if _tu.gpu_direct(tensor):
         return _waited(lambda: _allreduce_submit(tensor, name, op, prescale_factor,
@@ -167,6 +174,10 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
     """In-place allreduce; returns `tensor`. Waited for through the common layer's
     synchronous form (an op the response cache knows may run at once, in this thread)."""
     op = resolve_op(op, "allreduce_", average=average)
+    view = _tu.express_view(tensor)
+    if view is not None and try_express_allreduce(
+            view, op, name, prescale_factor, postscale_factor, process_set, True) is not None:
+        return tensor  # (an op the response cache knows, run in one native call)
     ps = check_process_set(process_set, "allreduce_")
     return _inplace(tensor, "allreduce_", True, lambda buf: _c.allreduce_(
         buf, op=op, name=name, prescale_factor=prescale_factor, postscale_factor=postscale_factor,

@@ -53,6 +53,19 @@ def check_tensor(tensor, what: str, reduction: bool = False) -> None:
                         "(CPU and CUDA only)")
 
 
+def express_view(tensor) -> np.ndarray | None:
+    """The numpy view of a plain CPU tensor without grad, for nbdist.common's express table
+    (which checks the rest against the op's plan), or None: then the op goes the checked
+    way (check_tensor, staging, as_buffer)."""
+    if (tensor.__class__ is not torch.Tensor or tensor.requires_grad or not tensor.is_cpu
+            or tensor.dtype is torch.bfloat16):
+        return None
+    try:
+        return tensor.numpy()
+    except (RuntimeError, TypeError):  # a conjugated or negated view, a sparse tensor
+        return None
+
+
 def numpy_view(tensor: torch.Tensor) -> np.ndarray:
     """A numpy array sharing the storage of a contiguous CPU tensor."""
     t = tensor.detach() if tensor.requires_grad else tensor  # (detach makes a new tensor)

@@ -112,6 +112,38 @@ def test_allreduce_inplace_matches_out_of_place(dtype):
     assert hvd.synchronize(h) is z and torch.equal(z, expect)
 
 
+def test_repeated_allreduces_of_a_tensor_run_in_the_express_table():
+    # A plain CPU tensor's repeated allreduce goes straight to nbdist.common's native
+    # express table; a strided view, a tensor that records its gradient, another dtype
+    # under the same name go the checked way. Every result must be right either way.
+    from nbdist.common import basics
+
+    agreement = basics.engine().agreement
+    before = agreement.stats["express"] if agreement is not None else 0
+    total = sum(range(1, N() + 1))
+    for step in range(8):
+        t = torch.full((4, 3), float(R() + 1 + step))
+        want = torch.full((4, 3), float(total + N() * step))
+        assert torch.equal(hvd.allreduce(t, op=hvd.Sum, name="torch.express"), want)
+        assert hvd.allreduce_(t, op=hvd.Sum, name="torch.express_") is t and torch.equal(t, want)
+        assert torch.equal(hvd.allreduce(torch.full((4, 3), float(R() + 1 + step)),
+                                         op=hvd.Sum), want)
+    strided = torch.full((3, 4), float(R() + 1)).t()
+    assert torch.equal(hvd.allreduce(strided, op=hvd.Sum, name="torch.express"),
+                       torch.full((4, 3), float(total)))
+    graded = torch.full((4, 3), float(R() + 1), requires_grad=True)
+    out = hvd.allreduce(graded, op=hvd.Sum, name="torch.express")
+    out.sum().backward()
+    assert torch.equal(out.detach(), torch.full((4, 3), float(total)))
+    assert torch.equal(graded.grad, torch.full((4, 3), float(N())))
+    doubles = torch.full((4, 3), float(R() + 1), dtype=torch.float64)
+    assert torch.equal(hvd.allreduce(doubles, op=hvd.Sum, name="torch.express.f64"),
+                       torch.full((4, 3), float(total), dtype=torch.float64))
+    if agreement is not None and N() > 1:
+        ran = hvd.allreduce(torch.tensor([agreement.stats["express"] - before]), op=hvd.Sum)
+        assert int(ran.item()) > 0
+
+
 def test_non_contiguous_inputs():
     base = value(R(), (4, 6), torch.float32)
     t = base.t()  # a strided view
