@@ -337,8 +337,8 @@ def _no_native_allreduce(*args) -> None:
 
 
 try:
-    # The first thing a synchronous allreduce tries: a named CPU op the response cache knows,
-    # checked and run in one native call (the shm agreement's express table: agreement.py).
+    # The first thing a synchronous allreduce tries: a CPU op the response cache knows (named
+    # or not), checked and run in one native call (the shm agreement's express table).
     # None: not that case, nothing was done; a tuple: started, for Python to finish.
     from nbdist._native import express_allreduce as _native_allreduce
 except ImportError:  # no native module: no shm agreement either
@@ -350,6 +350,10 @@ def _allreduce(array, op, name: str | None, prescale: float, postscale: float, p
     """Every allreduce form: checks, then the op submitted (its Handle) or, with `wait`, its
     result. A waited-for CPU op with a name the response cache knows may run at once in
     this thread (Engine.express) with no Request or Handle."""
+    if wait:  # first: an op the response cache knows, checked and run in one native call
+        done = try_express_allreduce(array, op, name, prescale, postscale, process_set, inplace)
+        if done is not None:
+            return done
     what = "allreduce_" if inplace else "allreduce"
     engine, _ = process_sets.resolve(process_set, what)
     if inplace and _device_of(array) != "cpu":
@@ -451,24 +455,16 @@ def allreduce(array, op=ReduceOp.Average, name: str | None = None,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
               process_set=None) -> np.ndarray:
     """Reduce `array` over all ranks (Average by default); returns a new array."""
-    done = try_express_allreduce(array, op, name, prescale_factor, postscale_factor,
-                                 process_set, False)
-    if done is None:
-        return _allreduce(array, op, name, prescale_factor, postscale_factor, process_set,
-                          inplace=False, wait=True)
-    return done
+    return _allreduce(array, op, name, prescale_factor, postscale_factor, process_set,
+                      inplace=False, wait=True)
 
 
 def allreduce_(array, op=ReduceOp.Average, name: str | None = None,
                prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                process_set=None) -> np.ndarray:
     """Reduce `array` over all ranks in place; returns `array`."""
-    done = try_express_allreduce(array, op, name, prescale_factor, postscale_factor,
-                                 process_set, True)
-    if done is None:
-        return _allreduce(array, op, name, prescale_factor, postscale_factor, process_set,
-                          inplace=True, wait=True)
-    return done
+    return _allreduce(array, op, name, prescale_factor, postscale_factor, process_set,
+                      inplace=True, wait=True)
 
 
 def _group_names(name: str | None, count: int) -> list[str | None]:
