@@ -144,8 +144,9 @@ class ShmAgreement:
         # name -> what express() needs of that cached op (see _express_plan); (kind,) for
         # the last unnamed op of that kind
         self._express_plans: dict[str | tuple, _ExpressPlan] = {}
-        # The named allreduces' plans again, in the native table that runs them with no
-        # Python at all (ops.allreduce calls it first); its runs count in the stats.
+        # The allreduces' plans again (by name; the unnamed template's under None), in the
+        # native table that runs them with no Python at all (ops._allreduce tries it
+        # first: native/express_table.cpp); its runs count in the stats.
         self.express_table = self._new_express_table()
         engine.executor.counted_elsewhere = self._express_table_runs
 

@@ -348,8 +348,9 @@ except ImportError:  # no native module: no shm agreement either
 def _allreduce(array, op, name: str | None, prescale: float, postscale: float, process_set,
                inplace: bool, wait: bool):
     """Every allreduce form: checks, then the op submitted (its Handle) or, with `wait`, its
-    result. A waited-for CPU op with a name the response cache knows may run at once in
-    this thread (Engine.express) with no Request or Handle."""
+    result. A waited-for CPU op the response cache knows may run at once in this thread
+    with no Request or Handle: in one native call (the express table), else through
+    Engine.express."""
     if wait:  # first: an op the response cache knows, checked and run in one native call
         done = try_express_allreduce(array, op, name, prescale, postscale, process_set, inplace)
         if done is not None:
