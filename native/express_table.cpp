@@ -159,9 +159,8 @@ class ExpressTable {
     py::object out = inplace ? py::reinterpret_borrow<py::object>(array)
                              : output_like(array, count * plan->itemsize);
     if (!try_lock()) return py::none();
-    // An unnamed op is numbered as Engine.auto_name numbers it (Python gives the name
-    // itself only to an op that must wait: Engine.last_auto_name).
-    if (name == Py_None) count_unnamed();
+    // From here on the lock is held: whatever fails is handed to Python with it (below),
+    // which releases it and breaks the runtime with the rank named (Engine.express_resume).
     const int64_t nbits = (PyDict_GET_SIZE(cache_by_id_.ptr()) + 15) / 16 * 16;
     // (read now: the table may change while the op lets the GIL go)
     const int64_t cid = plan->cid;
@@ -172,6 +171,9 @@ class ExpressTable {
     py::object voted;
     py::object error = py::none();
     try {
+      // An unnamed op is numbered as Engine.auto_name numbers it (Python gives the name
+      // itself only to an op that must wait: Engine.last_auto_name).
+      if (name == Py_None) count_unnamed();
       voted = express_allreduce(*control_shm_, cid, nbits, wait_s_, data_shm,
                                 py::reinterpret_borrow<py::array>(array),
                                 py::reinterpret_borrow<py::array>(out.ptr()), count, dtype_code,
@@ -185,9 +187,8 @@ class ExpressTable {
       ++runs_;
       const double now = std::chrono::duration<double>(
           std::chrono::steady_clock::now().time_since_epoch()).count();
-      py::float_ at(now);  // (time.monotonic's clock)
-      if (PyObject_SetAttr(agreement_.ptr(), last_cycle_key_.ptr(), at.ptr()) != 0)
-        throw py::error_already_set();
+      py::float_ at(now);  // (time.monotonic's clock; a keep-alive hint only: errors ignored)
+      if (PyObject_SetAttr(agreement_.ptr(), last_cycle_key_.ptr(), at.ptr()) != 0) PyErr_Clear();
       PyObject* r = PyObject_CallNoArgs(release_.ptr());
       if (r == nullptr) throw py::error_already_set();
       Py_DECREF(r);
