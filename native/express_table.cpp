@@ -66,7 +66,8 @@ class ExpressTable {
  public:
   // `engine`, `agreement`: the Python objects whose state must be empty for an op to go
   // here (their containers are never rebound, so they are read once); `gate` the Ctrl-C
-  // gate and `getsignal` signal.getsignal; `timeline` the timeline module's globals.
+  // gate and `getsignal` _signal.getsignal (the builtin: signal.getsignal, its Python
+  // wrapper, makes an Enum of the handler, ~3 us); `timeline` the timeline module's globals.
   ExpressTable(py::object control, py::object engine, py::object agreement, py::object gate,
                py::object getsignal, unsigned long main_thread, py::dict timeline,
                py::object global_set, double wait_s, double timeout_s, size_t pool_min_bytes,
