@@ -3,11 +3,12 @@
 //
 // Python works an op's plan out once (ShmAgreement._express_plan: cache id, transport,
 // native codes) and enters it here under the op's name (None: the unnamed ops' template of
-// that signature, numbered here as Engine.auto_name numbers them). From then on express_allreduce(),
-// called first thing by nbdist.common's allreduce and allreduce_, checks in C++ what the
-// Python path would check (the user's arguments against the plan, the engine with nothing
-// else in flight), takes the agreement lock without waiting, and runs the vote and the
-// bytes in one call (nbdist::express_allreduce). It returns:
+// that signature, numbered here as Engine.auto_name numbers them). From then on
+// express_allreduce(), called first thing by nbdist.common's allreduce and allreduce_
+// (ops._allreduce), checks in C++ what the Python path would check (the user's arguments
+// against the plan, the engine with nothing else in flight), takes the agreement lock
+// without waiting, and runs the vote and the bytes in one call (nbdist::express_allreduce).
+// It returns:
 //   None     nothing was done: the Python path runs the op as before;
 //   array    the result;
 //   a tuple  the op started and did not finish here (the peers did not come in time, the
@@ -21,6 +22,7 @@
 #include <pybind11/stl.h>
 
 #include <chrono>
+#include <csignal>
 #include <string>
 #include <vector>
 
@@ -90,23 +92,20 @@ class ExpressTable {
     py::object lock = agreement_.attr("lock");
     acquire_ = lock.attr("acquire");
     release_ = lock.attr("release");
-    sigint_ = py::int_(2);  // SIGINT
+    sigint_ = py::int_(SIGINT);
     active_key_ = py::str("_active");
     broken_key_ = py::str("_broken");
     stopping_key_ = py::str("_stopping");
     last_cycle_key_ = py::str("last_cycle");
     depth_key_ = py::str("depth");
     counter_key_ = py::str("auto_name_counter");
-    // Polled while the op waits: the engine's flag, read without running Python code.
-    PyObject* eng = engine_.ptr();
-    stop_ = [eng, reason = std::move(stop_reason)](std::string& why) {
+    // Polled while the op waits (only then: the table's references are alive): the
+    // engine's flag, read as idle() reads it, without running Python code.
+    stop_ = [this, reason = std::move(stop_reason)](std::string& why) {
       py::gil_scoped_acquire gil;
-      PyObject* v = PyObject_GetAttrString(eng, "_stopping");
-      const bool on = v != nullptr && PyObject_IsTrue(v) == 1;
-      Py_XDECREF(v);
-      PyErr_Clear();
-      if (on) why = reason;
-      return on;
+      if (flag_off(stopping_key_)) return false;
+      why = reason;
+      return true;
     };
   }
 
