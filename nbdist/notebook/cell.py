@@ -352,9 +352,8 @@ def _death_report(cluster, ranks: list[int], errors) -> FailureReport:
         wait_s=REMOTE_DEATH_WAIT_S if remote else SEEN_DEATH_WAIT_S if seen else DEATH_WAIT_S)
     if len(statuses) < len(seen) or not statuses:
         statuses = {**statuses, **seen}
-    # The watch's look names every rank already gone when it woke; /proc still had a status
-    # only for those not yet reaped, so the statuses alone must not narrow that set (on a
-    # loaded machine MPI's clean-up kill of rank 0 can be a zombie beside the real cause).
+    # The watch names the rank that went first, by the kernel's order of events (see
+    # nbdist.mpi.deaths); its thread may deliver after `seen` was read, so ask again here.
     dead = blame(statuses, cluster.first_dead() or set(seen))
     if remote:  # names the host too; each host's death watch saw only its own first death
         who, dead = "; ".join(remote), {}

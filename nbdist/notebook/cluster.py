@@ -36,6 +36,7 @@ LAUNCHERS = ("local", "mpi", "slurm", "ssh")
 MAX_RANKS = 1024  # far beyond one notebook's reach; an absurd -n fails before anything starts
 START_TIMEOUT_S = 120
 EXIT_REPORT_GRACE_S = 5.0  # after mpiexec exited, how long its exit-code report may take to show
+DEATH_PIPE_TIMEOUT_S = 30  # idle engines opening the death watch FIFOs (a loaded machine)
 
 
 class ClusterError(RuntimeError):
@@ -350,13 +351,22 @@ class DistCluster:
             raise ClusterError(f"the engines are not one MPI world (ranks {sorted(self.ranks)}); "
                                f"the {self.launcher!r} launcher did not start them under one mpiexec")
         here = socket.gethostname()
-        self._death_watch = DeathWatch({r: info.pid for r, info in self.ranks.items() if info.host == here})
+        self._death_watch = DeathWatch({r: info.pid for r, info in self.ranks.items() if info.host == here},
+                                       connect=self._hold_death_pipes)
         # Ranks on other hosts: the same watcher, started there over ssh (hydra's report
         # names only the host of a dead rank). A host whose watcher cannot start is skipped.
         self._remote_watches = []
         for host in sorted({info.host for info in self.ranks.values()} - {here}) if self.hosts else []:
             pids = {r: info.pid for r, info in self.ranks.items() if info.host == host}
-            self._remote_watches.append(DeathWatch(pids, via=[launcher_exec(), host]))
+            self._remote_watches.append(DeathWatch(pids, via=[launcher_exec(), host],
+                                                   connect=self._hold_death_pipes))
+
+    def _hold_death_pipes(self, paths_by_pid: dict[int, str]) -> None:
+        """Each engine holds its death watch FIFO open (nbdist.mpi.deaths); engines are idle here."""
+        code = ("import nbdist.rank.hooks as __nbdist_engine\n"
+                f"__nbdist_engine.hold_death_pipe({paths_by_pid!r})\n"
+                "del __nbdist_engine\n")
+        self.client[:].execute(code, block=False, silent=True).get(timeout=DEATH_PIPE_TIMEOUT_S)
 
     def _watches(self) -> list[DeathWatch]:
         return ([self._death_watch] if self._death_watch is not None else []) + self._remote_watches

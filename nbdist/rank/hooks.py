@@ -98,6 +98,36 @@ def setup(kernel_pid: int | None, kernel_host: str) -> dict:
     return describe()
 
 
+def hold_death_pipe(paths_by_pid: dict[int, str]) -> bool:
+    """Hold this process's FIFO of the notebook's death watch open for writing until it ends.
+
+    A dying process closes its files before anything else sees it go (see nbdist.mpi.deaths):
+    the watch learns which rank went first from the order the FIFOs close. Forked children
+    (DataLoader workers) drop their copy, so that it closes with this process alone.
+    """
+    _drop_death_pipe()  # a watch of an earlier world
+    path = paths_by_pid.get(os.getpid())
+    if path is None:
+        return False
+    try:
+        _state["death_pipe"] = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False  # the watch still sees this process's exit
+    if not _state.get("fork_hook"):
+        _state["fork_hook"] = True
+        os.register_at_fork(after_in_child=_drop_death_pipe)
+    return True
+
+
+def _drop_death_pipe() -> None:
+    fd = _state.pop("death_pipe", None)
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
 def describe() -> dict:
     """This rank's rank, host, pid, GPUs and runtime state."""
     rank, size = _mpi_rank_size()
