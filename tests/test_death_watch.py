@@ -15,11 +15,13 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from nbdist.failure import blame
 from nbdist.mpi.deaths import DeathWatch
 from nbdist.mpi.hydra import mpiexec_path
+from nbdist.mpi.reaper import SETTLE_S, remove_orphan_segments, segments_of
 
 pytestmark = pytest.mark.timeout(180)
 ROUNDS = 6  # without the FIFOs, 1 in 6 rounds named the wrong rank here (2 of 12)
@@ -54,7 +56,7 @@ def one_death(work: Path, n: int, fifo_dirs: set[Path], hold: bool = True) -> tu
     script = work.parent / "rank.py"
     proc = subprocess.Popen([mpiexec_path(), "-n", str(n), sys.executable, str(script), str(work)],
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    watch = None
+    watch, segments, since = None, set(), time.time()
     try:
         assert proc.stdout is not None
         pids: dict[int, int] = {}
@@ -73,6 +75,8 @@ def one_death(work: Path, n: int, fifo_dirs: set[Path], hold: bool = True) -> tu
 
         watch = DeathWatch(pids, connect=connect)
         assert all((work / f"held-{r}").read_text() == str(hold) for r in range(n))
+        # MPI's segments of ranks killed with SIGKILL are left in /dev/shm: removed below
+        segments = segments_of([psutil.Process(pid) for pid in pids.values()])
         (work / "go").write_text("")
         proc.communicate(timeout=60)
         deadline = time.monotonic() + 20
@@ -85,6 +89,7 @@ def one_death(work: Path, n: int, fifo_dirs: set[Path], hold: bool = True) -> tu
             proc.wait()
         if watch is not None:
             watch.stop()
+        remove_orphan_segments(since, segments, settle_s=SETTLE_S)
 
 
 def test_the_rank_killed_first_is_named_not_the_ranks_mpi_stopped(tmp_path):
