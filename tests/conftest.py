@@ -10,14 +10,19 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from nbdist.mpi.hydra import mpiexec_path
+from nbdist.mpi.reaper import orphan_segments
 
 ROOT = Path(__file__).resolve().parent.parent
 MPIEXEC = mpiexec_path()  # the one finder: this environment's mpich wheel, else PATH's
+
+LEAK_SETTLE_S = 20  # a killed cluster's segments are swept by its reaper a moment later
+_SESSION: dict = {}
 
 # The rank-level test files are collected only inside an mpiexec run.
 collect_ignore_glob = [] if os.environ.get("NBDIST_RANK_TESTS") else ["ranks/*"]
@@ -58,3 +63,24 @@ def run_rank_tests(n: int, test_file: str, timeout: float = 300, extra_env: dict
     args = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "--timeout", "120",
             str(ROOT / "tests" / "ranks" / test_file), *pytest_args]
     return run_ranks(n, args, timeout=timeout, env=env)
+
+
+def pytest_sessionstart(session):
+    _SESSION["since"] = time.time()
+    _SESSION["before"] = set(orphan_segments(0.0))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Every test removes the shared-memory segments its processes made (MPI's and nbdist's):
+    fail the run when one is left that no process holds."""
+    if "since" not in _SESSION or os.environ.get("NBDIST_RANK_TESTS"):
+        return  # (inside a ranks run the outer session looks, once the ranks are gone)
+    deadline = time.monotonic() + LEAK_SETTLE_S
+    while True:
+        left = sorted(set(orphan_segments(_SESSION["since"])) - _SESSION["before"])
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    if left:
+        sys.stderr.write(f"\nshared-memory segments left by the tests (no process holds them): {left}\n")
+        session.exitstatus = 1

@@ -136,10 +136,22 @@ def remove_orphan_segments(since: float, known: set[str] | None = None, settle_s
 
 def _remove_orphan_segments_once(since: float, known: set[str] | None) -> list[str]:
     removed: list[str] = []
+    for path in orphan_segments(since, known):
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            pass
+    return removed
+
+
+def orphan_segments(since: float, known: set[str] | None = None) -> list[str]:
+    """This user's MPI/nbdist segments created since `since` (or named in `known`) that no
+    live process maps or holds open."""
     try:
         entries = list(os.scandir("/dev/shm"))
     except OSError:
-        return removed
+        return []
     candidates = []
     for entry in entries:
         path = entry.path
@@ -153,17 +165,9 @@ def _remove_orphan_segments_once(since: float, known: set[str] | None) -> list[s
         if ours or (entry.name.startswith(SHM_PREFIXES) and st.st_mtime >= since - 2.0):
             candidates.append(path)
     if not candidates:
-        return removed
+        return []
     held = _mapped_shm_files()
-    for path in candidates:
-        if path in held:
-            continue
-        try:
-            os.unlink(path)
-            removed.append(path)
-        except OSError:
-            pass
-    return removed
+    return [path for path in candidates if path not in held]
 
 
 def main(argv: list[str]) -> int:
