@@ -67,7 +67,10 @@ def run_rank_tests(n: int, test_file: str, timeout: float = 300, extra_env: dict
 
 def pytest_sessionstart(session):
     _SESSION["since"] = time.time()
-    _SESSION["before"] = set(orphan_segments(0.0))
+    try:  # segments that were there before (another user's job, an earlier run) are not ours
+        _SESSION["before"] = {entry.path for entry in os.scandir("/dev/shm")}
+    except OSError:
+        _SESSION["before"] = set()
 
 
 def pytest_sessionfinish(session, exitstatus):
