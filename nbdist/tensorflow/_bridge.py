@@ -59,12 +59,41 @@ def may_record() -> bool:
 
 
 def to_numpy(value) -> np.ndarray:
-    """The numpy value of an eager tensor, variable (tf or Keras 3) or array."""
+    """The numpy value of an eager tensor, variable (tf or Keras 3) or array, to be read
+    (not written) by a collective that returns before the tensor could change.
+
+    A CPU tensor's value is a view of its own buffer (EagerTensor._numpy), not the copy
+    that .numpy() makes: an eager collective then reads the bytes where they are. A
+    variable's read is safe to alias: TensorFlow copies a variable's buffer before an
+    assign when a read still holds it."""
     if isinstance(value, np.ndarray):
         return value
-    if isinstance(value, tf.Tensor) and hasattr(value, "numpy"):  # an eager tensor as it is
-        return np.asarray(value.numpy())
-    return np.asarray(tf.convert_to_tensor(value).numpy())
+    if not isinstance(value, tf.Tensor) or not hasattr(value, "numpy"):
+        value = tf.convert_to_tensor(value)  # a variable, a list: its eager tensor
+    view = getattr(value, "_numpy", None)  # (private; the copy where TF lacks it)
+    return np.asarray(view() if view is not None else value.numpy())
+
+
+try:  # (private: the eager tensor constructor that tf.convert_to_tensor ends in)
+    from tensorflow.python.eager import context as _context
+    from tensorflow.python.framework.ops import EagerTensor as _EagerTensor
+except ImportError:  # pragma: no cover - moved in a later TensorFlow
+    _EagerTensor = None
+
+
+def eager_result(array, dtype: tf.DType) -> tf.Tensor:
+    """An eager tensor of `dtype` holding `array`, a result array that is ours alone.
+
+    tf.convert_to_tensor copies a numpy array first (the caller might change it later)
+    and looks up its conversion function: about half of a small eager collective's time.
+    A collective's result is a fresh array no one else holds, so the tensor may take it
+    as it is (TensorFlow shares an aligned buffer, copies otherwise)."""
+    array = np.asarray(array, dtype=dtype.as_numpy_dtype)
+    if _EagerTensor is None or not array.flags.c_contiguous:
+        return tf.convert_to_tensor(array)
+    ctx = _context.context()
+    ctx.ensure_initialized()
+    return _EagerTensor(array, ctx.device_name, dtype.as_datatype_enum)
 
 
 def in_xla_context() -> bool:
@@ -173,7 +202,7 @@ def run(submit: Submit, inputs: Sequence, out_dtypes: Sequence[tf.DType],
     thread). Several inputs are always submitted together, then waited for: no rank then
     waits on one op alone while its peers wait on another.
     """
-    out_dtypes = [tf.as_dtype(d) for d in out_dtypes]
+    out_dtypes = [d if d.__class__ is tf.DType else tf.as_dtype(d) for d in out_dtypes]
     if executing_eagerly():
         arrays = [to_numpy(t) for t in inputs]
         try:
@@ -184,8 +213,7 @@ def run(submit: Submit, inputs: Sequence, out_dtypes: Sequence[tf.DType],
             if converted is exc:
                 raise
             raise converted from None
-        return [tf.convert_to_tensor(np.asarray(r, dtype=d.as_numpy_dtype))
-                for r, d in zip(results, out_dtypes)]
+        return [eager_result(r, d) for r, d in zip(results, out_dtypes)]
     if in_xla_context():
         raise RuntimeError(
             f"{what}: nbdist collectives cannot run inside an XLA-compiled function. Compile "

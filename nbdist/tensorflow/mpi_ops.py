@@ -186,7 +186,8 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="",
     if isinstance(tensor, tf.IndexedSlices):
         return _allreduce_sparse(tensor, op, prescale_factor, postscale_factor,
                                  _naming.default_name("Allgather", tensor.values, name), ps)
-    tensor = tf.convert_to_tensor(tensor)
+    if not isinstance(tensor, tf.Tensor):  # (an eager tensor as it is: the common case)
+        tensor = tf.convert_to_tensor(tensor)
     compressed, ctx = compression.compress(tensor)
     reduced = _allreduce_dense([compressed], op, prescale_factor, postscale_factor,
                                [_naming.default_name("Allreduce", tensor, name)], ps)[0]
