@@ -7,13 +7,17 @@ Run on 2 ranks (one mpiexec run measures everything, in alternating rounds):
 Per round: (1) one rank alone, plain PyTorch, on one rank's batch (the 1-rank baseline),
 (2) every rank with nbdist's DistributedOptimizer, (3) every rank with
 torch.nn.parallel.DistributedDataParallel over gloo (MASTER_ADDR=127.0.0.1, a free port),
-(4) with --per-gradient, nbdist again with bucket_bytes=0 (one allreduce per gradient).
+(4) every rank alone at once, plain PyTorch with no communication (the ceiling: what
+any data-parallel library could reach on this machine, with communication free; two
+ranks computing at once share the cores' caches and memory bandwidth),
+(5) with --per-gradient, nbdist again with bucket_bytes=0 (one allreduce per gradient).
 Same model, per-rank batch, synthetic data and SGD in every phase; each rank uses
 torch.set_num_threads(1), so 2 ranks on 2 cores compare fairly with 1 rank on 1 core.
 Reported: samples/s (global), rank 0's CPU milliseconds per step (all its threads),
 scaling efficiency = samples/s / (ranks x 1-rank samples/s),
-and nbdist / DDP (the median of per-round ratios: the phases of a round run back to
-back, which cancels most of the drift from other load on a shared machine).
+nbdist / DDP (the median of per-round ratios: the phases of a round run back to
+back, which cancels most of the drift from other load on a shared machine), and the
+ceiling of that ratio: no-communication / DDP.
 """
 from __future__ import annotations
 
@@ -137,12 +141,17 @@ def main() -> None:
     def single(steps):  # rank 0 alone; the others wait at the barrier (idle, no CPU)
         return run_steps(single_model, single_opt, x, y, steps) if rank == 0 else 0.0
 
+    apart_model = make_model(args.model)  # each rank's own, never averaged (the ceiling)
+    apart_opt = torch.optim.SGD(apart_model.parameters(), lr=0.01)
+
     phases = {
         "1 rank (plain torch)": (single, args.batch),
         f"nbdist DistributedOptimizer ({size} ranks)": (
             lambda s: run_steps(nb_model, nb_opt, x, y, s), args.batch * size),
         f"torch DDP gloo ({size} ranks)": (
             lambda s: run_steps(ddp_model, ddp_opt, x, y, s), args.batch * size),
+        f"no communication ({size} ranks at once)": (
+            lambda s: run_steps(apart_model, apart_opt, x, y, s), args.batch * size),
     }
     if args.per_gradient:
         phases[f"nbdist, no buckets ({size} ranks)"] = (
@@ -177,9 +186,13 @@ def main() -> None:
         paired = statistics.median(a / b for a, b in zip(rates[names[1]], rates[names[2]]))
         print(f"nbdist / DDP throughput: {paired:.2f} (median of per-round ratios; "
               f"ratio of medians {nb / ddp:.2f})")
+        ceiling = statistics.median(a / b for a, b in zip(rates[names[3]], rates[names[2]]))
+        print(f"ceiling of that ratio, no communication / DDP: {ceiling:.2f} (nbdist reaches "
+              f"{statistics.median(a / b for a, b in zip(rates[names[1]], rates[names[3]])):.2f} "
+              "of the no-communication throughput)")
         if args.per_gradient:
             unbucketed = statistics.median(
-                a / b for a, b in zip(rates[names[3]], rates[names[2]]))
+                a / b for a, b in zip(rates[names[4]], rates[names[2]]))
             print(f"nbdist without buckets / DDP throughput: {unbucketed:.2f} "
                   "(median of per-round ratios)")
         if args.json:
@@ -189,6 +202,7 @@ def main() -> None:
                            "samples_per_s": {n: rates[n] for n in names},
                            "rank0_cpu_ms_per_step": {n: cpu_ms[n] for n in names},
                            "nbdist_over_ddp_paired": paired, "nbdist_over_ddp": nb / ddp,
+                           "ceiling_over_ddp_paired": ceiling,
                            "efficiency": {"nbdist": nb / (size * base), "ddp": ddp / (size * base)}},
                           f, indent=2)
     hvd.shutdown()
