@@ -1,13 +1,14 @@
-"""One small synchronous allreduce through each API users call, beside mpi4py, in one run.
+"""One small synchronous collective through each API users call, beside mpi4py, in one run.
 
     mpiexec -n 2 .venv/bin/python benchmarks/small_ops.py [--bytes 4096] [--iters 2000]
 
 The calls a training loop makes between steps (a loss, an accuracy, a flag), each
 repeated: nbdist.common on numpy (in place and not), nbdist.torch's `allreduce` and
 `allreduce_`, nbdist.tensorflow's eager `allreduce`, each named and unnamed (Horovod
-numbers unnamed ops in call order), and mpi4py's `comm.Allreduce` on the same bytes.
-The cases run in alternating rounds; reported: the slowest rank's mean µs per call
-(median of rounds) and its ratio to mpi4py's from the same rounds. torch and
+numbers unnamed ops in call order), and mpi4py's `comm.Allreduce` on the same bytes;
+then numpy `allgather` and `broadcast`/`broadcast_` beside mpi4py's `Allgather` and
+`Bcast`. The cases run in alternating rounds; reported: the slowest rank's mean µs per
+call (median of rounds) and its ratio to mpi4py's same collective from the same rounds. torch and
 TensorFlow rows appear when the framework imports.
 
 With `--layers`, one cached `allreduce_` instead, each layer of the express path
@@ -43,6 +44,7 @@ def main(argv=None) -> int:
     a = np.ones(max(1, args.bytes // 4), np.float32)
     out = np.empty_like(a)
     cases = {"mpi4py Allreduce": lambda: comm.Allreduce(a, out)}
+    bases: dict[str, str] = {}  # case -> the mpi4py case it is compared with (else Allreduce)
     locked: set[str] = set()  # cases run with the agreement lock held (--layers)
     if args.layers:
         if not _layer_cases(nb, a, cases, locked):
@@ -50,6 +52,7 @@ def main(argv=None) -> int:
             return 1
     else:
         _api_cases(nb, a, cases)
+        _other_cases(nb, comm, a, cases, bases)
 
     def timed(fn) -> float:
         for _ in range(max(20, args.iters // 20)):
@@ -73,11 +76,11 @@ def main(argv=None) -> int:
                     agreement.hold(False)
                     agreement.lock.release()
     if comm.rank == 0:
-        base = rows["mpi4py Allreduce"]
-        print(f"small_ops: {comm.size} ranks, {a.nbytes} B float32 allreduce, "
+        print(f"small_ops: {comm.size} ranks, {a.nbytes} B float32 per rank, "
               f"{args.rounds} rounds x {args.iters} calls (median)")
         print(f"{'':30s} {'µs per call':>12s} {'/ mpi4py':>9s}")
         for name, times in rows.items():
+            base = rows[bases.get(name, "mpi4py Allreduce")]
             ratio = statistics.median(t / b for t, b in zip(times, base))
             print(f"{name:30s} {statistics.median(times):12.2f} {ratio:8.2f}x")
     nb.shutdown()
@@ -112,6 +115,27 @@ def _api_cases(nb, a: np.ndarray, cases: dict) -> None:
         cases["tf eager allreduce unnamed"] = lambda: tfh.allreduce(x, op=tfh.Sum)
     except ImportError:
         pass
+
+
+def _other_cases(nb, comm, a: np.ndarray, cases: dict, bases: dict) -> None:
+    """numpy allgather and broadcast, each beside mpi4py's own collective."""
+    gathered = np.empty(a.size * comm.size, a.dtype)
+    b = a.copy()
+    mine = {
+        "mpi4py Allgather": {
+            "numpy allgather named": lambda: nb.allgather(a, name="np.gather"),
+            "numpy allgather unnamed": lambda: nb.allgather(a),
+        },
+        "mpi4py Bcast": {
+            "numpy broadcast_ named": lambda: nb.broadcast_(b, 0, name="np.bcast_"),
+            "numpy broadcast named": lambda: nb.broadcast(a, 0, name="np.bcast"),
+        },
+    }
+    cases["mpi4py Allgather"] = lambda: comm.Allgather(a, gathered)
+    cases["mpi4py Bcast"] = lambda: comm.Bcast(b, root=0)
+    for base, ours in mine.items():
+        cases.update(ours)
+        bases.update(dict.fromkeys(ours, base), **{base: base})
 
 
 def _layer_cases(nb, a: np.ndarray, cases: dict, locked: set) -> bool:

@@ -336,10 +336,8 @@ void bind_shm(py::module_& m) {
            [](PyShm& s, int64_t bit, int64_t nbits, double wait_s, PyShm& data, const py::array& send,
               const py::array& recv, const std::vector<int64_t>& byte_counts, double timeout_s,
               py::object stop) {
-             return express(s, wait_s, [&]() {
-               return agree_allgather(s, bit, nbits, data, send, recv, byte_counts, timeout_s,
-                                      nbdist::make_stop_hook(stop));
-             });
+             return nbdist::express_allgather(s, bit, nbits, wait_s, data, send, recv, byte_counts,
+                                              timeout_s, nbdist::make_stop_hook(stop));
            },
            py::arg("bit"), py::arg("nbits"), py::arg("wait_s"), py::arg("data"),
            py::arg("send").noconvert(), py::arg("recv").noconvert(), py::arg("byte_counts"),
@@ -348,10 +346,8 @@ void bind_shm(py::module_& m) {
       .def("express_broadcast",
            [](PyShm& s, int64_t bit, int64_t nbits, double wait_s, PyShm& data, const py::array& buf,
               size_t nbytes, int root, double timeout_s, py::object stop) {
-             return express(s, wait_s, [&]() {
-               return agree_broadcast(s, bit, nbits, data, buf, nbytes, root, timeout_s,
-                                      nbdist::make_stop_hook(stop));
-             });
+             return nbdist::express_broadcast(s, bit, nbits, wait_s, data, buf, nbytes, root,
+                                              timeout_s, nbdist::make_stop_hook(stop));
            },
            py::arg("bit"), py::arg("nbits"), py::arg("wait_s"), py::arg("data"),
            py::arg("buf").noconvert(), py::arg("nbytes"), py::arg("root"),
@@ -419,6 +415,23 @@ py::object nbdist::express_allreduce(PyShm& s, int64_t bit, int64_t nbits, doubl
                                      double timeout_s, const StopHook& stop) {
   return express(s, wait_s, [&]() {
     return agree_allreduce(s, bit, nbits, data, src, dst, count, dtype, op, factor, timeout_s, stop);
+  });
+}
+
+py::object nbdist::express_allgather(PyShm& s, int64_t bit, int64_t nbits, double wait_s,
+                                     PyShm& data, const py::array& send, const py::array& recv,
+                                     const std::vector<int64_t>& byte_counts, double timeout_s,
+                                     const StopHook& stop) {
+  return express(s, wait_s, [&]() {
+    return agree_allgather(s, bit, nbits, data, send, recv, byte_counts, timeout_s, stop);
+  });
+}
+
+py::object nbdist::express_broadcast(PyShm& s, int64_t bit, int64_t nbits, double wait_s,
+                                     PyShm& data, const py::array& buf, size_t nbytes, int root,
+                                     double timeout_s, const StopHook& stop) {
+  return express(s, wait_s, [&]() {
+    return agree_broadcast(s, bit, nbits, data, buf, nbytes, root, timeout_s, stop);
   });
 }
 

@@ -1,5 +1,5 @@
 // PyShm: the Python side of a ShmComm, shared by the bindings (module.cpp) and the express
-// table (express_table.cpp), and the one agreement call the table makes.
+// table (express_table.cpp), and the agreement calls the table makes.
 #pragma once
 
 #include <pybind11/numpy.h>
@@ -81,6 +81,15 @@ pybind11::object express_allreduce(PyShm& s, int64_t bit, int64_t nbits, double 
                                    const pybind11::array& src, const pybind11::array& dst,
                                    size_t count, int dtype, int op, double factor, double timeout_s,
                                    const StopHook& stop);
+
+// The same for one cached allgatherv (bytes from each rank) and one cached broadcast.
+pybind11::object express_allgather(PyShm& s, int64_t bit, int64_t nbits, double wait_s, PyShm& data,
+                                   const pybind11::array& send, const pybind11::array& recv,
+                                   const std::vector<int64_t>& byte_counts, double timeout_s,
+                                   const StopHook& stop);
+pybind11::object express_broadcast(PyShm& s, int64_t bit, int64_t nbits, double wait_s, PyShm& data,
+                                   const pybind11::array& buf, size_t nbytes, int root,
+                                   double timeout_s, const StopHook& stop);
 
 void bind_express(pybind11::module_& m);  // express_table.cpp
 

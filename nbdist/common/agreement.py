@@ -144,8 +144,8 @@ class ShmAgreement:
         # name -> what express() needs of that cached op (see _express_plan); (kind,) for
         # the last unnamed op of that kind
         self._express_plans: dict[str | tuple, _ExpressPlan] = {}
-        # The allreduces' plans again (by name; the unnamed template's under None), in the
-        # native table that runs them with no Python at all (ops._allreduce tries it
+        # The same plans again (by kind and name; an unnamed template's under None), in the
+        # native table that runs them with no Python at all (ops' synchronous forms try it
         # first: native/express_table.cpp); its runs count in the stats.
         self.express_table = self._new_express_table()
         engine.executor.counted_elsewhere = self._express_table_runs
@@ -160,10 +160,11 @@ class ShmAgreement:
         return _native.ExpressTable(
             self.native, self.engine, self, _sigint_gate, _signal.getsignal, _MAIN_THREAD_ID,
             vars(timeline), process_sets.global_process_set, EXPRESS_WAIT_S, self.seg.timeout_s,
-            buffers.POOL_MIN_BYTES, buffers.empty_like, SHUTTING_DOWN)
+            buffers.POOL_MIN_BYTES, buffers.empty_like, buffers.empty, SHUTTING_DOWN)
 
-    def _express_table_runs(self) -> int:
-        return self.express_table.runs
+    def _express_table_runs(self) -> tuple[int, int]:
+        table = self.express_table
+        return table.runs, table.allreduce_runs
 
     @property
     def stats(self) -> dict[str, int]:
@@ -440,16 +441,17 @@ class ShmAgreement:
             return out
         return self._express_waits(kind, name, array, inplace, plan, voted)
 
-    def express_resumed(self, name: str, array: np.ndarray, inplace: bool, voted, error):
-        """The rest of an allreduce the express table started and did not finish (the lock
-        held): what express() does after its native call. `voted` is that call's answer
-        (False, or the vote's), `error` the message it failed with, or None."""
+    def express_resumed(self, kind: str, name: str, array: np.ndarray, inplace: bool, voted,
+                        error):
+        """The rest of an op the express table started and did not finish (the lock held):
+        what express() does after its native call. `voted` is that call's answer (False, or
+        the vote's), `error` the message it failed with, or None."""
         if error is not None:
             raise TransportError(error)
         if voted is not False:
             self.last_cycle = time.monotonic()
-        plan = self._express_plans[(ALLREDUCE,) if name.__class__ is AutoName else name]
-        return self._express_waits(ALLREDUCE, name, array, inplace, plan, voted)
+        plan = self._express_plans[(kind,) if name.__class__ is AutoName else name]
+        return self._express_waits(kind, name, array, inplace, plan, voted)
 
     def _express_waits(self, kind: str, name: str, array: np.ndarray, inplace: bool,
                        plan: _ExpressPlan, voted) -> Handle:
@@ -493,16 +495,11 @@ class ShmAgreement:
             transport, _, _, transport_op, factor = planned
             plan = _ExpressPlan(kind, cid, sig, array, op, postscale, root, transport,
                                 (dtype_code(array.dtype), op_code(transport_op), factor))
-            # the native table runs it from now on (an unnamed op's plan: under None)
-            if name.__class__ is str or name.__class__ is AutoName:
-                self.express_table.enter(None if name.__class__ is AutoName else name, cid,
-                                         array.dtype, array.shape, op, postscale,
-                                         self.seg._native_of(transport), *plan.args)
         else:
-            if name.__class__ is str:
-                self.express_table.forget(name)  # (an allreduce's, of this name, if any)
             transport = executor.choose(resp.device, kind)
             if resp.device != "cpu" or not hasattr(transport, "express_" + kind):
+                if name.__class__ is str:
+                    self.express_table.forget(name)  # (another kind's plan of this name)
                 return None
             if kind is ALLGATHER:
                 rows, inner = resp.first_dims[0], tuple(resp.shapes[0])
@@ -512,6 +509,19 @@ class ShmAgreement:
             else:
                 plan = _ExpressPlan(kind, cid, sig, array, op, postscale, root, transport,
                                     (array.nbytes, resp.root))
+        # the native table runs it from now on (an unnamed op's plan: under None)
+        if name.__class__ is str or name.__class__ is AutoName:
+            key = None if name.__class__ is AutoName else name
+            data = self.seg._native_of(plan.transport)
+            table = self.express_table
+            if kind is ALLREDUCE:
+                table.enter(key, cid, array.dtype, array.shape, op, postscale, data, *plan.args)
+            elif kind is ALLGATHER:
+                table.enter_allgather(key, cid, array.dtype, array.shape, data, *plan.args,
+                                      plan.out_shape)
+            else:
+                table.enter_broadcast(key, cid, array.dtype, array.shape, data, root,
+                                      root == self.engine.rank)
         self._express_plans[(kind,) if name.__class__ is AutoName else name] = plan
         return plan
 

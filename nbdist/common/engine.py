@@ -295,14 +295,14 @@ class Engine:
         return self._express_locked(agreement, _sigint_gate.enter(), agreement.express, kind,
                                     name, array, inplace, op, postscale, root, EXPRESS_WAIT_S)
 
-    def express_resume(self, name: str, array, inplace: bool, started: tuple):
-        """The rest of an allreduce the native express table started (ops.allreduce): it
+    def express_resume(self, kind: str, name: str, array, inplace: bool, started: tuple):
+        """The rest of an op the native express table started (ops' synchronous forms): it
         returned `started`, (vote, output, error, Ctrl-C gate entered), with the agreement
         lock held. The result, or a Handle, as express() returns them."""
         voted, _, error, gated = started
         agreement = self.agreement
-        return self._express_locked(agreement, gated, agreement.express_resumed, name, array,
-                                    inplace, voted, error)
+        return self._express_locked(agreement, gated, agreement.express_resumed, kind, name,
+                                    array, inplace, voted, error)
 
     def _express_locked(self, agreement, gated: bool, step, *args):
         """express()'s work under the agreement lock, which it releases: step(*args) (the op

@@ -38,18 +38,19 @@ class Executor:
         self._fusion: dict[str, np.ndarray] = {}
         # counters for tests and `nbdist bench`: how often fusion happened (see stats)
         self._counts = {"allreduce_ops": 0, "allreduce_units": 0, "units": 0}
-        # () -> allreduces run as units of their own outside this executor, counted in
-        # stats too (the shm agreement's express table: ShmAgreement)
-        self.counted_elsewhere: Callable[[], int] | None = None
+        # () -> (ops, of which allreduces) run as units of their own outside this
+        # executor, counted in stats too (the shm agreement's express table: ShmAgreement)
+        self.counted_elsewhere: Callable[[], tuple[int, int]] | None = None
 
     @property
     def stats(self) -> dict[str, int]:
         """The counters: allreduce ops, allreduce units (fused or not), units of any kind."""
         stats = dict(self._counts)
         if self.counted_elsewhere is not None:
-            ran = self.counted_elsewhere()
-            for key in stats:
-                stats[key] += ran
+            ran, allreduces = self.counted_elsewhere()
+            stats["units"] += ran
+            stats["allreduce_ops"] += allreduces
+            stats["allreduce_units"] += allreduces
         return stats
 
     # -- helpers -----------------------------------------------------------------------

@@ -332,17 +332,20 @@ def _abort_interrupted(name: str) -> None:
 
 
 # -- allreduce -----------------------------------------------------------------------------
-def _no_native_allreduce(*args) -> None:
+def _no_native_express(*args) -> None:
     return None
 
 
 try:
-    # The first thing a synchronous allreduce tries: a CPU op the response cache knows (named
-    # or not), checked and run in one native call (the shm agreement's express table).
-    # None: not that case, nothing was done; a tuple: started, for Python to finish.
+    # The first thing a synchronous allreduce, allgather or broadcast tries: a CPU op the
+    # response cache knows (named or not), checked and run in one native call (the shm
+    # agreement's express table). None: not that case, nothing was done; a tuple: started,
+    # for Python to finish (_resume).
+    from nbdist._native import express_allgather as _native_allgather
     from nbdist._native import express_allreduce as _native_allreduce
+    from nbdist._native import express_broadcast as _native_broadcast
 except ImportError:  # no native module: no shm agreement either
-    _native_allreduce = _no_native_allreduce
+    _native_allreduce = _native_allgather = _native_broadcast = _no_native_express
 
 
 def _allreduce(array, op, name: str | None, prescale: float, postscale: float, process_set,
@@ -399,16 +402,17 @@ def try_express_allreduce(array, op, name: str | None, prescale: float, postscal
     table did not take it: nothing was done, and the caller goes the checked way."""
     done = _native_allreduce(array, op, name, prescale, postscale, process_set, inplace)
     if done.__class__ is tuple:  # started there: finished here
-        return _resume_allreduce(name, array, inplace, done)
+        return _resume(ALLREDUCE, name, array, inplace, done)
     return done
 
 
-def _resume_allreduce(name: str | None, array: np.ndarray, inplace: bool, started: tuple):
-    """The result of an allreduce the native express table started and did not finish (an
+def _resume(kind: str, name: str | None, array: np.ndarray, inplace: bool, started: tuple):
+    """The result of an op the native express table started and did not finish (an
     unnamed op was numbered there: its name is the last one given)."""
     engine = basics.engine()
-    op_name = engine.last_auto_name(ALLREDUCE) if name is None else name
-    return _express_done(op_name, engine.express_resume, op_name, array, inplace, started)
+    op_name = engine.last_auto_name(kind) if name is None else name
+    return _express_done(op_name, engine.express_resume, kind, op_name, array, inplace,
+                         started)
 
 
 def _express_done(name: str, express, *args):
@@ -515,7 +519,12 @@ def grouped_allreduce_(arrays: Sequence, op=ReduceOp.Average, name: str | None =
 # -- allgather, broadcast, alltoall, reducescatter ---------------------------------------------
 def _allgather(array, name: str | None, process_set, wait: bool):
     """Both allgather forms, as _allreduce: checks, then the Handle or, with `wait`, the
-    result (a cached op may run at once in this thread: Engine.express)."""
+    result (a cached op may run at once in this thread: in one native call, the express
+    table, else through Engine.express)."""
+    if wait:
+        done = _native_allgather(array, name, process_set)
+        if done is not None:
+            return _resume(ALLGATHER, name, array, False, done) if done.__class__ is tuple else done
     engine, _ = process_sets.resolve(process_set, "allgather")
     a = as_array(array, "allgather")
     if a.ndim == 0:
@@ -542,7 +551,13 @@ def allgather(array, name: str | None = None, process_set=None) -> np.ndarray:
 def _broadcast(array, root_rank: int, name: str | None, process_set, inplace: bool,
                wait: bool):
     """Every broadcast form, as _allreduce: checks, then the Handle or, with `wait`, the
-    result (a cached CPU op may run at once in this thread: Engine.express)."""
+    result (a cached CPU op may run at once in this thread: in one native call, the express
+    table, else through Engine.express)."""
+    if wait:
+        done = _native_broadcast(array, root_rank, name, process_set, inplace)
+        if done is not None:
+            return (_resume(BROADCAST, name, array, inplace, done) if done.__class__ is tuple
+                    else done)
     what = "broadcast_" if inplace else "broadcast"
     engine, ranks = process_sets.resolve(process_set, what)
     root = _check_root(root_rank, what, ranks)

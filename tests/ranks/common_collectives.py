@@ -567,6 +567,19 @@ def test_cached_sync_allgather_waits_as_usual_for_a_late_peer():
         np.testing.assert_array_equal(got, want)
 
 
+def test_cached_sync_broadcast_waits_as_usual_for_a_late_peer():
+    # (from the third call on, the waiting ranks' op starts in the native table, which
+    # hands it back to Python when the peer is late: ops._resume)
+    for step in range(4):
+        if RANK == SIZE - 1:
+            time.sleep(0.05)
+        y = np.full(3, RANK + step, np.int32)
+        assert hvd.broadcast_(y, 0, name="late.bcast_") is y
+        np.testing.assert_array_equal(y, np.full(3, step, np.int32))
+        got = hvd.broadcast(np.full(3, RANK + step, np.int32), 0, name="late.bcast")
+        np.testing.assert_array_equal(got, np.full(3, step, np.int32))
+
+
 def test_repeated_sync_broadcasts_run_in_the_calling_thread():
     before = _express_count()
     root = SIZE - 1
@@ -580,6 +593,78 @@ def test_repeated_sync_broadcasts_run_in_the_calling_thread():
         np.testing.assert_array_equal(y, np.full((2, 3), step, np.int64))
     if hvd.basics.engine().agreement is not None and SIZE > 1:
         assert _express_ran_since(before)
+
+
+def _table_runs() -> tuple[int, int]:
+    """(allgathers and broadcasts, allreduces) the native express table ran on this rank."""
+    agreement = hvd.basics.engine().agreement
+    if agreement is None:
+        return 0, 0
+    table = agreement.express_table
+    return table.runs - table.allreduce_runs, table.allreduce_runs
+
+
+def test_cached_allgathers_and_broadcasts_run_in_the_native_table():
+    # After the first calls, a cached synchronous allgather or broadcast (named or not) is
+    # checked and run in one native call (native/express_table.cpp), with the same results;
+    # the executor's stats count them as units, not as allreduces.
+    stats = hvd.basics.engine().executor.stats
+    before, allreduces = _table_runs()
+    for step in range(12):
+        rows = hvd.allgather(np.full((RANK + 1, 2), RANK * 10 + step, np.int16), name="table.g")
+        want = np.concatenate([np.full((r + 1, 2), r * 10 + step, np.int16)
+                               for r in range(SIZE)])
+        np.testing.assert_array_equal(rows, want)
+        assert rows.dtype == np.int16 and rows.flags.writeable
+        unnamed = hvd.allgather(np.array([RANK + step], np.float32))
+        np.testing.assert_array_equal(unnamed, np.arange(SIZE, dtype=np.float32) + step)
+        x = np.full(3, RANK + 10.0 * step)
+        got = hvd.broadcast(x, SIZE - 1, name="table.b")
+        np.testing.assert_array_equal(got, np.full(3, SIZE - 1 + 10.0 * step))
+        np.testing.assert_array_equal(x, np.full(3, RANK + 10.0 * step))  # input untouched
+        assert got is not x
+        y = np.full(4, RANK + step, np.uint8)
+        assert hvd.broadcast_(y, 0, name="table.b_") is y
+        np.testing.assert_array_equal(y, np.full(4, step, np.uint8))
+    if hvd.basics.engine().agreement is not None and SIZE > 1:
+        ran, reduced = _table_runs()
+        total = hvd.allreduce(np.array([ran - before]), op=hvd.Sum, name="table.count")
+        assert int(total[0]) > 0  # (a rank that always comes first may never run one itself)
+        assert reduced == allreduces  # none of them counted as an allreduce
+        after = hvd.basics.engine().executor.stats
+        assert after["units"] - stats["units"] >= ran - before
+
+
+def test_allgather_and_broadcast_calls_the_cached_plan_does_not_cover():
+    # After a name's allgather or broadcast plan is in the native table, a call it does not
+    # cover (another root, dtype or shape; a numpy integer root; a 0-d array; a list; a
+    # read-only array in place; a process set) is checked and run as before, with the same
+    # clear errors.
+    for _ in range(3):
+        hvd.broadcast(np.full(2, float(RANK)), 0, name="cover.b")
+        hvd.allgather(np.full(2, RANK, np.int64), name="cover.g")
+    np.testing.assert_array_equal(hvd.broadcast(np.full(2, float(RANK)), SIZE - 1,
+                                                name="cover.b"), float(SIZE - 1))
+    np.testing.assert_array_equal(hvd.broadcast(np.full(2, float(RANK)), np.int64(0),
+                                                name="cover.b"), 0.0)
+    np.testing.assert_array_equal(hvd.broadcast(np.full(3, float(RANK)), 0, name="cover.b3"),
+                                  0.0)
+    frozen = np.full(2, float(RANK))
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="writeable"):
+        hvd.broadcast_(frozen, 0, name="cover.b")
+    with pytest.raises(ValueError, match="root_rank"):
+        hvd.broadcast(np.full(2, float(RANK)), SIZE, name="cover.b")
+    np.testing.assert_array_equal(hvd.allgather(np.array(RANK, np.int64), name="cover.g0"),
+                                  np.arange(SIZE))
+    with pytest.raises(TypeError, match="Python list"):
+        hvd.allgather([RANK, RANK], name="cover.g")
+    np.testing.assert_array_equal(
+        hvd.allgather(np.full(2, RANK, np.int64), name="cover.g",
+                      process_set=hvd.global_process_set), np.repeat(np.arange(SIZE), 2))
+    np.testing.assert_array_equal(hvd.allgather(np.full(2, RANK, np.int64), name="cover.g"),
+                                  np.repeat(np.arange(SIZE), 2))
+    np.testing.assert_array_equal(hvd.broadcast(np.full(2, float(RANK)), 0, name="cover.b"), 0.0)
 
 
 def test_repeated_unnamed_sync_ops_run_in_the_calling_thread():
