@@ -14,7 +14,8 @@ stack dump on SIGUSR2, which the test sends to a rank that is still running).
 
 NBDIST_SIGKILL_PATH=api runs the user's path instead of the transport alone: a named
 4 KiB hvd.allreduce_ repeated, which the engine runs in the calling thread's one native
-call (Engine.express_allreduce); the survivors must fail it naming the dead rank too.
+call (the express table); the survivors must fail it naming the dead rank too.
+api-allgather and api-broadcast: the same with hvd.allgather and hvd.broadcast_.
 """
 import faulthandler
 import os
@@ -65,16 +66,23 @@ def transport_path():
     return step, TransportError, [t._native.name]
 
 
-def api_path():
-    """The user's path: a cached synchronous allreduce (the engine's express path)."""
+def api_path(kind: str):
+    """The user's path: a cached synchronous allreduce, allgather or broadcast (the express
+    table)."""
     import nbdist.common as hvd
 
     hvd.init()
     engine = hvd.basics.engine()
     buf = np.ones(1024, np.float32)
+    calls = {
+        "allreduce": lambda: hvd.allreduce_(buf, op=hvd.Sum, name="sigkill.x"),
+        "allgather": lambda: hvd.allgather(buf, name="sigkill.g"),
+        "broadcast": lambda: hvd.broadcast_(buf, 0, name="sigkill.b"),
+    }
+    call = calls[kind]
 
     def step():
-        hvd.allreduce_(buf, op=hvd.Sum, name="sigkill.x")
+        call()
         buf[:] = 1
 
     segments = [engine.agreement.seg._native.name,
@@ -83,8 +91,9 @@ def api_path():
 
 
 try:
-    step, failure, segments = api_path() if os.environ.get("NBDIST_SIGKILL_PATH") == "api" \
-        else transport_path()
+    PATH = os.environ.get("NBDIST_SIGKILL_PATH", "transport")
+    step, failure, segments = (transport_path() if PATH == "transport"
+                               else api_path(PATH.partition("-")[2] or "allreduce"))
     if RANK == 0:
         record("segment", "\n".join(segments))
     COMM.Barrier()
