@@ -24,6 +24,12 @@ def test_stall_warning_and_timeout(n):
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("n", RANKS)
+def test_last_op_then_shutdown(n):
+    run_rank_tests(n, "common_shutdown.py", timeout=200)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("n", RANKS)
 def test_process_sets(n):
     run_rank_tests(n, "common_process_sets.py", timeout=200)
 

@@ -525,6 +525,13 @@ class ShmAgreement:
         self._express_plans[(kind,) if name.__class__ is AutoName else name] = plan
         return plan
 
+    def abort_reason(self) -> str:
+        """Why the segment was aborted, naming the rank; "" when it was not (or is closed)."""
+        try:
+            return self.native.abort_reason()
+        except RuntimeError:  # (ShmError: closed)
+            return ""
+
     def close(self, reason: str) -> None:
         """Release peers that wait in a cycle for this rank, then unmap the segment."""
         self.express_table.close()

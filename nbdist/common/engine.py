@@ -458,18 +458,33 @@ class Engine:
                         continue
                     timeout = agreement.next_timeout(now)
                 if agreement.wait(timeout) == 3:
-                    # The segment was aborted: a peer died, shut down or gave up.
-                    reason = agreement.native.abort_reason()
-                    self._broken = (f"nbdist runtime on rank {self.rank} stopped: {reason}; "
-                                    "call shutdown() and init() again")
-                    self._fail_all(errors.RuntimeBrokenError(self._broken))
+                    # The segment was aborted: a peer died, shut down or gave up. Under the
+                    # lock: a user thread may be in a cycle (drive, express) whose ops were
+                    # agreed before the abort and complete without that peer (a rank that
+                    # finished the last op and shut down while this one still copies the
+                    # result out); it finishes first, and only what is left in flight fails.
+                    with agreement.lock:
+                        self._stopped_by_abort(agreement.abort_reason())
                     return
         except BaseException as exc:  # a transport failure: the runtime cannot go on
             self._runtime_failed(exc)
 
+    def _stopped_by_abort(self, reason: str) -> None:
+        """The agreement segment was aborted (a peer died, shut down or gave up, or this
+        rank gave up): fail every op still in flight with its reason; the runtime stops."""
+        if self._broken:
+            return
+        self._broken = (f"nbdist runtime on rank {self.rank} stopped: {reason}; "
+                        "call shutdown() and init() again")
+        self._fail_all(errors.RuntimeBrokenError(self._broken))
+
     def _runtime_failed(self, exc: BaseException) -> None:
         """A cycle raised (a transport failure): fail every op; this runtime cannot go on."""
         if self._broken:
+            return
+        aborted = self.agreement.abort_reason() if self.agreement is not None else ""
+        if aborted:  # the cycle met the segment's abort: its reason is the cause, as above
+            self._stopped_by_abort(aborted)
             return
         self._broken = (f"nbdist runtime on rank {self.rank} stopped after an internal "
                         f"error: {type(exc).__name__}: {exc}; call shutdown() and init() again")
