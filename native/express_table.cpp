@@ -87,11 +87,11 @@ class ExpressTable {
   ExpressTable(py::object control, py::object engine, py::object agreement, py::object gate,
                py::object getsignal, unsigned long main_thread, py::dict timeline,
                py::object global_set, double wait_s, double timeout_s, size_t pool_min_bytes,
-               py::object empty, std::string stop_reason)
+               py::object empty_like, py::object empty, std::string stop_reason)
       : control_(std::move(control)), engine_(std::move(engine)), agreement_(std::move(agreement)),
         gate_(std::move(gate)), getsignal_(std::move(getsignal)), main_thread_(main_thread),
         timeline_(std::move(timeline)), global_set_(std::move(global_set)), wait_s_(wait_s),
-        timeout_s_(timeout_s), pool_min_bytes_(pool_min_bytes),
+        timeout_s_(timeout_s), pool_min_bytes_(pool_min_bytes), empty_like_(std::move(empty_like)),
         empty_(std::move(empty)) {
     py::object coord = agreement_.attr("coord");
     queue_ = engine_.attr("_queue");
@@ -272,7 +272,7 @@ class ExpressTable {
   }
 
   // Take the agreement lock and run call(cid, nbits, data): the op's result `out` when it
-  // ran; else the tuple for Python (the top of this file); None when the lock was busy.
+  // ran; else the tuple for Python (the top of this file); None when the lock was taken.
   template <class Call>
   py::object run(int kind, const Plan& plan, PyObject* name, const py::object& out, Call call) {
     const bool main = PyThread_get_thread_ident() == main_thread_;
@@ -323,7 +323,7 @@ class ExpressTable {
     plans_list_.clear();
     for (py::dict& plans : plans_) plans = py::dict();
     for (py::object* o : {&control_, &engine_, &agreement_, &gate_, &getsignal_, &global_set_,
-                          &empty_, &queue_, &local_, &control_items_, &bit_pending_, &ready_,
+                          &empty_like_, &empty_, &queue_, &local_, &control_items_, &bit_pending_, &ready_,
                           &joined_, &pending_, &tombstones_, &cache_by_id_, &acquire_, &release_})
       *o = py::none();
     timeline_ = py::dict();
@@ -413,33 +413,29 @@ class ExpressTable {
     return got;
   }
 
-  // A new array of `array`'s dtype and shape (`nbytes` long), as new_array makes it.
+  // A new array of `array`'s dtype and shape: numpy's own below the buffer pool's size,
+  // else from the pool (nbdist.common.buffers.empty_like).
   py::object output_like(PyObject* array, size_t nbytes) const {
     auto* a = py::detail::array_proxy(array);
-    return new_array(a->descr, a->nd, a->dimensions, nbytes);
+    if (nbytes >= pool_min_bytes_) return empty_like_(py::handle(array));
+    auto& api = py::detail::npy_api::get();
+    Py_INCREF(a->descr);  // (stolen by the call)
+    PyObject* out = api.PyArray_NewFromDescr_(api.PyArray_Type_, a->descr, a->nd, a->dimensions,
+                                              nullptr, nullptr, 0, nullptr);
+    if (out == nullptr) throw py::error_already_set();
+    return py::reinterpret_steal<py::object>(out);
   }
 
-  // A new array of an allgather plan's result (its dtype and shape).
+  // A new array of an allgather plan's result (its dtype and shape), as output_like makes it.
   py::object output_shaped(const Plan& plan) const {
     size_t nbytes = plan.itemsize;
     for (Py_ssize_t d : plan.out_shape) nbytes *= static_cast<size_t>(d);
-    return new_array(plan.dtype.ptr(), static_cast<int>(plan.out_shape.size()),
-                     plan.out_shape.data(), nbytes);
-  }
-
-  // A new C-contiguous array: numpy's own below the buffer pool's size, else from the pool
-  // (nbdist.common.buffers.empty).
-  py::object new_array(PyObject* descr, int nd, const Py_intptr_t* dims, size_t nbytes) const {
-    if (nbytes >= pool_min_bytes_) {
-      py::tuple shape(nd);
-      for (int i = 0; i < nd; ++i) shape[i] = py::int_(dims[i]);
-      return empty_(shape, py::handle(descr));
-    }
+    if (nbytes >= pool_min_bytes_) return empty_(py::cast(plan.out_shape), plan.dtype);
     auto& api = py::detail::npy_api::get();
-    Py_INCREF(descr);  // (stolen by the call)
-    PyObject* out = api.PyArray_NewFromDescr_(api.PyArray_Type_, descr, nd,
-                                              const_cast<Py_intptr_t*>(dims), nullptr, nullptr,
-                                              0, nullptr);
+    Py_INCREF(plan.dtype.ptr());  // (stolen by the call)
+    PyObject* out = api.PyArray_NewFromDescr_(
+        api.PyArray_Type_, plan.dtype.ptr(), static_cast<int>(plan.out_shape.size()),
+        const_cast<Py_intptr_t*>(plan.out_shape.data()), nullptr, nullptr, 0, nullptr);
     if (out == nullptr) throw py::error_already_set();
     return py::reinterpret_steal<py::object>(out);
   }
@@ -450,7 +446,7 @@ class ExpressTable {
   py::object global_set_;
   double wait_s_, timeout_s_;
   size_t pool_min_bytes_;
-  py::object empty_;
+  py::object empty_like_, empty_;
   PyShm* control_shm_;
   py::object queue_, local_, control_items_, bit_pending_, ready_, joined_, pending_, tombstones_,
       cache_by_id_, acquire_, release_, sigint_;
@@ -545,11 +541,12 @@ void bind_express(py::module_& m) {
   py::class_<ExpressTable>(m, "ExpressTable",
                            "The plans of cached synchronous ops that run in one native call.")
       .def(py::init<py::object, py::object, py::object, py::object, py::object, unsigned long,
-                    py::dict, py::object, double, double, size_t, py::object, std::string>(),
+                    py::dict, py::object, double, double, size_t, py::object, py::object,
+                    std::string>(),
            py::arg("control"), py::arg("engine"), py::arg("agreement"), py::arg("gate"),
            py::arg("getsignal"), py::arg("main_thread"), py::arg("timeline"),
            py::arg("global_set"), py::arg("wait_s"), py::arg("timeout_s"),
-           py::arg("pool_min_bytes"), py::arg("empty"),
+           py::arg("pool_min_bytes"), py::arg("empty_like"), py::arg("empty"),
            py::arg("stop_reason"))
       .def("enter", &ExpressTable::enter, py::arg("name"), py::arg("cid"), py::arg("dtype"),
            py::arg("shape"), py::arg("op"), py::arg("postscale"), py::arg("data"),

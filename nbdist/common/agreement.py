@@ -160,7 +160,7 @@ class ShmAgreement:
         return _native.ExpressTable(
             self.native, self.engine, self, _sigint_gate, _signal.getsignal, _MAIN_THREAD_ID,
             vars(timeline), process_sets.global_process_set, EXPRESS_WAIT_S, self.seg.timeout_s,
-            buffers.POOL_MIN_BYTES, buffers.empty, SHUTTING_DOWN)
+            buffers.POOL_MIN_BYTES, buffers.empty_like, buffers.empty, SHUTTING_DOWN)
 
     def _express_table_runs(self) -> tuple[int, int]:
         table = self.express_table

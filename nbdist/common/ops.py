@@ -401,13 +401,9 @@ def try_express_allreduce(array, op, name: str | None, prescale: float, postscal
     allreduce and allreduce_ try, and torch's for a plain CPU tensor), or None when the
     table did not take it: nothing was done, and the caller goes the checked way."""
     done = _native_allreduce(array, op, name, prescale, postscale, process_set, inplace)
-    return _finished(done, ALLREDUCE, name, array, inplace)
-
-
-def _finished(done, kind: str, name: str | None, array: np.ndarray, inplace: bool):
-    """What a native express call returned, `done`, made the op's result: None (the table
-    did not take it) and a result as they are; a tuple (started there) finished here."""
-    return _resume(kind, name, array, inplace, done) if done.__class__ is tuple else done
+    if done.__class__ is tuple:  # started there: finished here
+        return _resume(ALLREDUCE, name, array, inplace, done)
+    return done
 
 
 def _resume(kind: str, name: str | None, array: np.ndarray, inplace: bool, started: tuple):
@@ -526,10 +522,9 @@ def _allgather(array, name: str | None, process_set, wait: bool):
     result (a cached op may run at once in this thread: in one native call, the express
     table, else through Engine.express)."""
     if wait:
-        done = _finished(_native_allgather(array, name, process_set), ALLGATHER, name, array,
-                         False)
+        done = _native_allgather(array, name, process_set)
         if done is not None:
-            return done
+            return _resume(ALLGATHER, name, array, False, done) if done.__class__ is tuple else done
     engine, _ = process_sets.resolve(process_set, "allgather")
     a = as_array(array, "allgather")
     if a.ndim == 0:
@@ -559,10 +554,10 @@ def _broadcast(array, root_rank: int, name: str | None, process_set, inplace: bo
     result (a cached CPU op may run at once in this thread: in one native call, the express
     table, else through Engine.express)."""
     if wait:
-        done = _finished(_native_broadcast(array, root_rank, name, process_set, inplace),
-                         BROADCAST, name, array, inplace)
+        done = _native_broadcast(array, root_rank, name, process_set, inplace)
         if done is not None:
-            return done
+            return (_resume(BROADCAST, name, array, inplace, done) if done.__class__ is tuple
+                    else done)
     what = "broadcast_" if inplace else "broadcast"
     engine, ranks = process_sets.resolve(process_set, what)
     root = _check_root(root_rank, what, ranks)
