@@ -1,4 +1,6 @@
 """nbdist.tensorflow collectives x dtypes, eager and in tf.function, and their gradients."""
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -160,6 +162,19 @@ def test_eager_ops_outside_a_tape_take_the_synchronous_path():
     if agreement is not None and N > 1:
         ran = hvd.allreduce(tf.constant([agreement.stats["express"] - before]), op=hvd.Sum)
         assert int(ran.numpy()[0]) > 0
+
+
+def test_eager_results_live_where_tf_would_place_them():
+    # An eager result is placed as tf.constant would place it (the default device, or
+    # the tf.device scope's), and it owns its bytes: changing the input later leaves it.
+    x = tf.Variable(tf.fill([8], float(R)))
+    for scope in (None, "/CPU:0"):
+        with tf.device(scope) if scope else contextlib.nullcontext():
+            out = hvd.allreduce(x, op=hvd.Sum, name=f"placed.{scope}")
+            assert out.device == tf.constant(1.0).device
+        x.assign_add(tf.ones([8]))
+        np.testing.assert_allclose(out.numpy(), sum(range(N)))
+        x.assign(tf.fill([8], float(R)))
 
 
 # -- gradients -------------------------------------------------------------------------------
