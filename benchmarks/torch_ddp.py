@@ -10,7 +10,12 @@ torch.nn.parallel.DistributedDataParallel over gloo (MASTER_ADDR=127.0.0.1, a fr
 (4) every rank alone at once, plain PyTorch with no communication (the ceiling: what
 any data-parallel library could reach on this machine, with communication free; two
 ranks computing at once share the cores' caches and memory bandwidth),
-(5) with --per-gradient, nbdist again with bucket_bytes=0 (one allreduce per gradient).
+(5) the same with an MPI barrier after each step's backward (mpi4py, MPICH): the ranks
+wait for each other once a step, as synchronous data-parallel training must, and move
+no bytes. What separates (4) from (5) is the cost of waiting each step for the slowest
+rank (its compute varies from step to step), which no library can avoid; what separates
+(5) from nbdist is nbdist's own cost,
+(6) with --per-gradient, nbdist again with bucket_bytes=0 (one allreduce per gradient).
 Same model, per-rank batch, synthetic data and SGD in every phase; each rank uses
 torch.set_num_threads(1), so 2 ranks on 2 cores compare fairly with 1 rank on 1 core.
 Reported: samples/s (global), rank 0's CPU milliseconds per step (all its threads),
@@ -76,12 +81,14 @@ def make_batch(kind: str, batch: int):
     return x, torch.randint(0, 10, (batch,), generator=g)
 
 
-def run_steps(model, opt, x, y, steps: int) -> float:
-    """Seconds for `steps` training steps (forward, backward, step)."""
+def run_steps(model, opt, x, y, steps: int, after_backward=None) -> float:
+    """Seconds for `steps` training steps (forward, backward, [after_backward()], step)."""
     start = time.perf_counter()
     for _ in range(steps):
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
+        if after_backward is not None:
+            after_backward()
         opt.step()
     return time.perf_counter() - start
 
@@ -143,6 +150,8 @@ def main() -> None:
 
     apart_model = make_model(args.model)  # each rank's own, never averaged (the ceiling)
     apart_opt = torch.optim.SGD(apart_model.parameters(), lr=0.01)
+    from mpi4py import MPI  # the barrier-per-step phase: MPICH's, a few µs on one node
+    barrier = MPI.COMM_WORLD.Barrier
 
     phases = {
         "1 rank (plain torch)": (single, args.batch),
@@ -152,6 +161,8 @@ def main() -> None:
             lambda s: run_steps(ddp_model, ddp_opt, x, y, s), args.batch * size),
         f"no communication ({size} ranks at once)": (
             lambda s: run_steps(apart_model, apart_opt, x, y, s), args.batch * size),
+        f"a barrier per step, no bytes ({size} ranks)": (
+            lambda s: run_steps(apart_model, apart_opt, x, y, s, barrier), args.batch * size),
     }
     if args.per_gradient:
         phases[f"nbdist, no buckets ({size} ranks)"] = (
@@ -190,9 +201,13 @@ def main() -> None:
         print(f"ceiling of that ratio, no communication / DDP: {ceiling:.2f} (nbdist reaches "
               f"{statistics.median(a / b for a, b in zip(rates[names[1]], rates[names[3]])):.2f} "
               "of the no-communication throughput)")
+        synced = statistics.median(a / b for a, b in zip(rates[names[4]], rates[names[2]]))
+        print(f"ceiling with the ranks in step, a barrier per step / DDP: {synced:.2f} (nbdist "
+              f"reaches {statistics.median(a / b for a, b in zip(rates[names[1]], rates[names[4]])):.2f}"
+              " of it)")
         if args.per_gradient:
             unbucketed = statistics.median(
-                a / b for a, b in zip(rates[names[4]], rates[names[2]]))
+                a / b for a, b in zip(rates[names[5]], rates[names[2]]))
             print(f"nbdist without buckets / DDP throughput: {unbucketed:.2f} "
                   "(median of per-round ratios)")
         if args.json:
@@ -203,6 +218,7 @@ def main() -> None:
                            "rank0_cpu_ms_per_step": {n: cpu_ms[n] for n in names},
                            "nbdist_over_ddp_paired": paired, "nbdist_over_ddp": nb / ddp,
                            "ceiling_over_ddp_paired": ceiling,
+                           "barrier_ceiling_over_ddp_paired": synced,
                            "efficiency": {"nbdist": nb / (size * base), "ddp": ddp / (size * base)}},
                           f, indent=2)
     hvd.shutdown()
