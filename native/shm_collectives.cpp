@@ -30,6 +30,40 @@ void check_counts(const std::vector<int64_t>& v, int n, const char* what) {
     if (c < 0) throw std::invalid_argument(std::string("shm ") + what + ": negative count");
 }
 
+// A fused unit's pieces laid end to end, as one buffer of `count()` elements: a range
+// of that buffer is visited as runs, each within one piece.
+class PieceRuns {
+ public:
+  PieceRuns(const std::vector<ShmComm::Piece>& pieces, size_t item)
+      : pieces_(pieces), item_(item), first_(pieces.size() + 1, 0) {
+    for (size_t i = 0; i < pieces.size(); ++i) first_[i + 1] = first_[i] + pieces[i].count;
+  }
+  size_t count() const { return first_.back(); }
+
+  // f(src, dst, at, len) for each run of elements [begin, end): src and dst point at
+  // element `at` of the unit, in the piece that holds it; len elements stay in that piece.
+  template <class F>
+  void runs(size_t begin, size_t end, F&& f) const {
+    if (begin >= end) return;
+    // the last piece starting at or before `begin` that is not empty
+    size_t i = static_cast<size_t>(std::upper_bound(first_.begin(), first_.end(), begin) -
+                                   first_.begin()) - 1;
+    for (; begin < end; ++i) {
+      const size_t stop = std::min(end, first_[i + 1]);
+      if (stop <= begin) continue;  // an empty piece
+      const size_t at = (begin - first_[i]) * item_;
+      f(static_cast<const char*>(pieces_[i].src) + at, static_cast<char*>(pieces_[i].dst) + at,
+        begin, stop - begin);
+      begin = stop;
+    }
+  }
+
+ private:
+  const std::vector<ShmComm::Piece>& pieces_;
+  size_t item_;
+  std::vector<size_t> first_;  // the unit's element index where each piece starts
+};
+
 std::vector<size_t> prefix(const std::vector<int64_t>& v, size_t scale = 1) {
   std::vector<size_t> out(v.size(), 0);
   for (size_t i = 1; i < v.size(); ++i) out[i] = out[i - 1] + static_cast<size_t>(v[i - 1]) * scale;
@@ -81,7 +115,7 @@ void ShmComm::allreduce(const void* src, void* dst, size_t count, int dtype, int
   if (bytes <= small_bytes_ && bytes <= slot_bytes_)
     allreduce_small(static_cast<const char*>(src), static_cast<char*>(dst), bytes, count, dtype, op, ctx);
   else
-    reduce_chunked(static_cast<const char*>(src), static_cast<char*>(dst), count, dtype, op, -1, ctx);
+    reduce_chunked({Piece{src, dst, count}}, dtype, op, -1, ctx);
 }
 
 void ShmComm::allreduce_pieces(const std::vector<Piece>& pieces, int dtype, int op, WaitContext& ctx) {
@@ -97,21 +131,7 @@ void ShmComm::allreduce_pieces(const std::vector<Piece>& pieces, int dtype, int 
     return;
   }
   const size_t bytes = total * item;
-  if (bytes > small_bytes_ || bytes > slot_bytes_) {
-    if (fusion_.size() < bytes) fusion_.resize(bytes);
-    char* f = fusion_.data();
-    for (const Piece& p : pieces) {
-      std::memcpy(f, p.src, p.count * item);
-      f += p.count * item;
-    }
-    reduce_chunked(fusion_.data(), fusion_.data(), total, dtype, op, -1, ctx);
-    f = fusion_.data();
-    for (const Piece& p : pieces) {
-      std::memcpy(p.dst, f, p.count * item);
-      f += p.count * item;
-    }
-    return;
-  }
+  if (bytes > small_bytes_ || bytes > slot_bytes_) return reduce_chunked(pieces, dtype, op, -1, ctx);
   // As allreduce_small, with the pieces packed into the slot and reduced out of it.
   int s = acquire_set(true, ctx);
   char* slot = seg_.slot(s, rank_);
@@ -139,7 +159,7 @@ void ShmComm::reduce(void* buf, size_t count, int dtype, int op, int root, WaitC
   if (root < 0 || root >= n_) throw std::invalid_argument("shm reduce: root out of range");
   check_not_aborted(ctx);
   if (count == 0 || n_ == 1) return;
-  reduce_chunked(static_cast<char*>(buf), static_cast<char*>(buf), count, dtype, op, root, ctx);
+  reduce_chunked({Piece{buf, buf, count}}, dtype, op, root, ctx);
 }
 
 // Small buffers: one synchronisation. Everyone copies in, then everyone reduces
@@ -212,13 +232,15 @@ bool ShmComm::vote(int32_t* vec, size_t words, const void* src, void* dst, size_
 
 // Large buffers: per chunk, copy in; each rank reduces its own slice (a
 // reduce-scatter); then the reduced slices are copied out (an allgather, or to
-// `root` only when root >= 0). The input is read from `in` and the result written
-// to `buf` (the same buffer for an in-place op): an out-of-place allreduce costs no
-// copy of the input first.
-void ShmComm::reduce_chunked(const char* in, char* buf, size_t count, int dtype, int op, int root,
+// `root` only when root >= 0). The input is read from each piece's src and the result
+// written to its dst (the same buffer for an in-place op): an out-of-place allreduce
+// costs no copy of the input first, and a fused unit none into a buffer of its own.
+void ShmComm::reduce_chunked(const std::vector<Piece>& pieces, int dtype, int op, int root,
                              WaitContext& ctx) {
   ReduceFn fn = reduce_kernel(dtype, op);
   const size_t item = dtype_size(dtype);
+  const PieceRuns unit(pieces, item);
+  const size_t count = unit.count();
   const size_t chunk = slot_bytes_ / item;
   // A buffer far bigger than the caches is written back with streaming stores.
   CopyFn plain = [](void* d, const void* s, size_t b) { std::memcpy(d, s, b); };
@@ -229,35 +251,41 @@ void ShmComm::reduce_chunked(const char* in, char* buf, size_t count, int dtype,
     const size_t c = std::min(chunk, count - off);
     const size_t slice = round_up((c + n_ - 1) / n_, line);
     const size_t lo = std::min(c, rank_ * slice), hi = std::min(c, lo + slice);
-    const char* const src = in + off * item;
-    char* const out = buf + off * item;
     int s = acquire_set(true, ctx);
     char* const slot = seg_.slot(s, rank_);
     // Only the slices other ranks reduce go through shared memory; my own slice
     // is read straight from my buffer, which saves a copy of 1/n of the data.
-    if (lo > 0) std::memcpy(slot, src, lo * item);
-    if (c > hi) std::memcpy(slot + hi * item, src + hi * item, (c - hi) * item);
+    auto copy_in = [&](const char* src, char*, size_t at, size_t len) {
+      std::memcpy(slot + (at - off) * item, src, len * item);
+    };
+    unit.runs(off, off + lo, copy_in);
+    unit.runs(off + hi, off + c, copy_in);
     uint64_t copied = next_phase();
     post(copied);
     wait_all(copied, ctx);
-    if (hi > lo) {
-      for (int p = 0; p < n_; ++p) srcs[p] = (p == rank_ ? src : seg_.slot(s, p)) + lo * item;
+    unit.runs(off + lo, off + hi, [&](const char* src, char* out, size_t at, size_t len) {
+      char* const mine = slot + (at - off) * item;
+      for (int p = 0; p < n_; ++p) srcs[p] = p == rank_ ? src : seg_.slot(s, p) + (at - off) * item;
       if (root < 0) {
-        fn(out + lo * item, srcs.data(), n_, hi - lo);  // the result lands in my buffer...
-        std::memcpy(slot + lo * item, out + lo * item, (hi - lo) * item);  // ...and where others read it
+        fn(out, srcs.data(), n_, len);           // the result lands in my buffer...
+        std::memcpy(mine, out, len * item);      // ...and where others read it
       } else if (root == rank_) {
-        fn(out + lo * item, srcs.data(), n_, hi - lo);
+        fn(out, srcs.data(), n_, len);
       } else {
-        fn(slot + lo * item, srcs.data(), n_, hi - lo);  // a non-root's buffer stays as it was
+        fn(mine, srcs.data(), n_, len);  // a non-root's buffer stays as it was
       }
-    }
+    });
     uint64_t reduced = next_phase();
     post(reduced);
     if (root < 0 || root == rank_) {
       wait_all(reduced, ctx);
       for (int q = 0; q < n_; ++q) {
+        if (q == rank_) continue;
         const size_t qlo = std::min(c, q * slice), qhi = std::min(c, qlo + slice);
-        if (q != rank_ && qhi > qlo) copy_out(out + qlo * item, seg_.slot(s, q) + qlo * item, (qhi - qlo) * item);
+        const char* const theirs = seg_.slot(s, q);
+        unit.runs(off + qlo, off + qhi, [&](const char*, char* out, size_t at, size_t len) {
+          copy_out(out, theirs + (at - off) * item, len * item);
+        });
       }
     }
     uint64_t read = next_phase();

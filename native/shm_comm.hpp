@@ -71,8 +71,9 @@ class ShmComm {
   void allreduce(const void* src, void* dst, size_t count, int dtype, int op, WaitContext& ctx);
   // One allreduce over several buffers of one dtype (a fused unit of the engine): each
   // piece's src is reduced into its dst. Pieces that fit a slot together are packed
-  // straight into it and reduced from it into each dst; bigger units go through a
-  // fusion buffer of this comm's own.
+  // straight into it and reduced from it into each dst; a bigger unit is reduced chunk by
+  // chunk as one buffer would be, each chunk gathered from the pieces and scattered back
+  // to them: no fusion buffer, so no copy of the unit in and out of one.
   struct Piece {
     const void* src;
     void* dst;
@@ -164,7 +165,7 @@ class ShmComm {
   void read_peer(int q, char* dst, uintptr_t src, size_t len, WaitContext& ctx);
   void allreduce_small(const char* src, char* dst, size_t bytes, size_t count, int dtype, int op,
                        WaitContext& ctx);
-  void reduce_chunked(const char* in, char* buf, size_t count, int dtype, int op, int root,
+  void reduce_chunked(const std::vector<Piece>& pieces, int dtype, int op, int root,
                       WaitContext& ctx);
 
   Segment seg_;
@@ -174,7 +175,6 @@ class ShmComm {
   uint64_t gen_ = 0;
   int next_set_ = 0;
   std::vector<uint64_t> free_phase_;
-  std::vector<char> fusion_;  // allreduce_pieces' buffer for units bigger than a slot
   uint64_t scratch_free_ = 0;  // phase after which every rank has read the scratch words
   int spin_iters_ = 2000;
   int yield_iters_ = 200;

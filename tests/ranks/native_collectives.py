@@ -133,6 +133,25 @@ def test_allreduce_pieces_reduces_each_piece(shm, sizes):
             same(srcs[i], before[i])
 
 
+@pytest.mark.parametrize("dtype", [np.int8, np.float16, np.float64], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("op", [ReduceOp.Sum, ReduceOp.Max, ReduceOp.Product])
+def test_a_unit_bigger_than_a_slot_is_reduced_in_its_pieces(shm, dtype, op):
+    # A fused unit larger than a slot runs chunk by chunk, each chunk gathered from and
+    # scattered back to the pieces: pieces and each rank's slice of a chunk start and end
+    # anywhere, some pieces are empty, some reduced in place, the rest left as they were.
+    item = np.dtype(dtype).itemsize
+    chunk = 64 * 1024 // item
+    sizes = [0, chunk // 3, 0, 1, chunk + 7, 3, chunk // SIZE + 1, 0, 2 * chunk - 5, 0]
+    srcs = [contribution(RANK, n, dtype, op) for n in sizes]
+    before = [s.copy() for s in srcs]
+    dsts = [s if i % 3 == 1 else np.full(n, 9, dtype) for i, (n, s) in enumerate(zip(sizes, srcs))]
+    shm.allreduce_pieces(srcs, dsts, op, 1.0)
+    for i, (n, dst) in enumerate(zip(sizes, dsts)):
+        same(dst, reference(n, dtype, op))
+        if i % 3 != 1:
+            same(srcs[i], before[i])
+
+
 def test_allreduce_2d_and_bool_rejected(shm):
     buf = np.full((3, 5), RANK + 1, np.int32)
     shm.allreduce(buf, ReduceOp.Sum)
