@@ -375,7 +375,7 @@ class ShmAgreement:
             return None
         ((cid, req),) = bit_pending.items()
         resp = coord.cache_by_id[cid].response
-        if resp.kind != ALLREDUCE:
+        if resp.kind != ALLREDUCE or req.pieces is not None:
             return None
         executor = self.engine.executor
         plan = executor.plan_allreduce(resp, req.array, req.inplace)

@@ -239,7 +239,8 @@ class Executor:
         if first.device != "cpu":
             self._device_op(unit, reqs)
             return
-        if len(unit) == 1 and reqs[0] is not None:
+        pieced = any(req is not None and req.pieces is not None for req in reqs)
+        if len(unit) == 1 and reqs[0] is not None and not pieced:
             plan = self.plan_allreduce(first, reqs[0].array, reqs[0].inplace)
             if plan is not None:
                 transport, src, out, op, factor = plan
@@ -251,7 +252,7 @@ class Executor:
                 return
         transport = self.choose(first.device, ALLREDUCE)
         op = self._transport_op(first.op)
-        outputs = []
+        outputs: list = []
         for resp, req in zip(unit, reqs):
             if req is None:  # joined: contribute zeros of the agreed shape
                 outputs.append(np.zeros(resp.shapes[0], numpy_dtype(first.dtype)))
@@ -259,6 +260,40 @@ class Executor:
                 outputs.append(req.array)
             else:
                 outputs.append(buffers.empty_like(req.array))
+        factor = (self._native_factor(first, outputs[0].dtype)
+                  if first.prescale == 1.0 and hasattr(transport, "allreduce_pieces") else None)
+        if factor is not None and (len(unit) > 1 or pieced):
+            # The transport packs the pieces itself (into its segment when they fit; a unit
+            # bigger than a slot chunk by chunk, straight from and into them).
+            srcs: list = []
+            dsts: list = []
+            for out, req in zip(outputs, reqs):
+                if req is not None and req.pieces is not None:
+                    srcs += req.pieces
+                    dsts += req.pieces
+                else:
+                    srcs.append(out if req is None or req.inplace else req.array)
+                    dsts.append(out)
+            traced = self._traced(ALLREDUCE, reqs, self._transport_phase(transport, ALLREDUCE))
+            transport.allreduce_pieces(srcs, dsts, op, factor)
+            if traced:
+                timeline.phase_end(ALLREDUCE, traced, None)
+            outputs = [req.pieces if req is not None and req.pieces is not None else out
+                       for out, req in zip(outputs, reqs)]
+        else:
+            for req in reqs:  # pieces reduced as one array: packed into it (the result is there)
+                if req is not None and req.pieces is not None:
+                    np.concatenate([p.reshape(-1) for p in req.pieces], out=req.array)
+            self._allreduce_arrays(unit, reqs, outputs, transport, op)
+        for out, req in zip(outputs, reqs):
+            if req is not None:
+                req.handle.set_result(out)
+
+    def _allreduce_arrays(self, unit: list[Response], reqs: list[Request | None],
+                          outputs: list[np.ndarray], transport, op) -> None:
+        """The reduction of a CPU unit into `outputs` (each request's own array for an
+        in-place op): one array as it is, several through the fusion buffer."""
+        first = unit[0]
         if len(unit) == 1:
             buf = outputs[0]
             req = reqs[0]
@@ -274,15 +309,6 @@ class Executor:
                 transport.allreduce(flat, op)
                 timeline.phase_end(ALLREDUCE, traced, phase)
             self._finish_reduction(flat, first)
-        elif (first.prescale == 1.0 and hasattr(transport, "allreduce_pieces")
-              and (factor := self._native_factor(first, outputs[0].dtype)) is not None):
-            # The transport packs the pieces itself (into its segment when they fit).
-            srcs = [out if req is None or req.inplace else req.array
-                    for out, req in zip(outputs, reqs)]
-            traced = self._traced(ALLREDUCE, reqs, self._transport_phase(transport, ALLREDUCE))
-            transport.allreduce_pieces(srcs, outputs, op, factor)
-            if traced:
-                timeline.phase_end(ALLREDUCE, traced, None)
         else:
             total = sum(o.size for o in outputs)
             fused = self._fusion_buffer(numpy_dtype(first.dtype), total)
@@ -308,9 +334,6 @@ class Executor:
                 offset += out.size
             if traced:
                 timeline.phase_end(ALLREDUCE, traced, "MEMCPY_OUT_FUSION_BUFFER")
-        for out, req in zip(outputs, reqs):
-            if req is not None:
-                req.handle.set_result(out)
 
     def _allgather(self, resp: Response, req: Request | None) -> None:
         dtype = numpy_dtype(resp.dtype)

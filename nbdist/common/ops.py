@@ -243,9 +243,10 @@ def _submit(kind: str, array, name: str | None, inplace: bool = False, engine=No
     engine = engine or basics.engine()
     op_name, named = _name(name, kind, engine)
     splits = sig.pop("splits", None)
+    pieces = sig.pop("pieces", None)
     req = Request(name=op_name, kind=kind, array=array, inplace=inplace,
                   signature=signature(kind, array, splits=splits, **sig),
-                  handle=Handle(op_name), splits=splits, named=named)
+                  handle=Handle(op_name), splits=splits, pieces=pieces, named=named)
     engine.submit(req)
     return req.handle
 
@@ -476,6 +477,36 @@ def _group_names(name: str | None, count: int) -> list[str | None]:
     if name is None:
         return [None] * count
     return [f"{name}.{i}" for i in range(count)]
+
+
+def allreduce_pieces_async_(flat: np.ndarray, pieces: Sequence[np.ndarray], op=ReduceOp.Average,
+                            name: str | None = None, prescale_factor: float = 1.0,
+                            postscale_factor: float = 1.0, process_set=None) -> Handle:
+    """Start an in-place allreduce of `pieces` as of one array laid end to end (a bucket of
+    gradients), without packing them into one first where the transport can reduce them
+    where they are.
+
+    The ranks agree on `flat`: a 1-d CPU array of the pieces' dtype and total size. The
+    handle's result is the tuple of pieces when they hold the result; otherwise they
+    were packed into `flat`, which holds it, and the result is `flat` (the caller copies
+    it out). Not part of Horovod's API: nbdist.torch's DistributedOptimizer uses it.
+    """
+    what = "allreduce_pieces_async_"
+    engine, _ = process_sets.resolve(process_set, what)
+    if _device_of(flat) != "cpu":
+        raise ValueError(f"{what} on rank {basics.rank()}: CPU arrays only")
+    a = as_array(flat, what, inplace=True)
+    op = resolve_op(op, what, a.dtype)
+    parts = tuple(pieces)
+    if (a.ndim != 1 or op == ReduceOp.Adasum
+            or sum(p.size for p in parts) != a.size
+            or any(p.__class__ is not np.ndarray or p.dtype != a.dtype or not p.flags.c_contiguous
+                   or not p.flags.writeable for p in parts)):
+        raise ValueError(f"{what} on rank {basics.rank()}: expected writeable C-contiguous CPU "
+                         f"arrays of {a.dtype} adding up to the 1-d flat array of {a.size} "
+                         "elements, and an op other than Adasum")
+    return _submit(ALLREDUCE, a, name, inplace=True, engine=engine, op=op,
+                   prescale=prescale_factor, postscale=postscale_factor, pieces=parts)
 
 
 def grouped_allreduce_async(arrays: Sequence, op=ReduceOp.Average, name: str | None = None,

@@ -130,6 +130,11 @@ class Request:
     handle: Handle
     device: str = "cpu"
     splits: tuple | None = None  # alltoall: rows sent to each rank
+    # An in-place allreduce whose data lives in these arrays laid end to end, not in
+    # `array` (which then only gives the size and dtype the ranks agree on, and is where
+    # the executor packs them when it cannot reduce them where they are): see
+    # ops.allreduce_pieces_async_.
+    pieces: tuple | None = None
     named: bool = True  # user-named (cacheable by name), or auto-named / uncached
     sent_at: float = 0.0  # when this rank sent it to rank 0 (monotonic clock)
 

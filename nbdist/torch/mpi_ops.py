@@ -184,6 +184,22 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
         process_set=ps), wait=True)
 
 
+def allreduce_pieces_async_(flat: torch.Tensor, tensors: Sequence[torch.Tensor], name: str,
+                            op, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            process_set=global_process_set) -> Handle:
+    """Start an in-place allreduce of contiguous CPU `tensors` of one dtype, as of one flat
+    tensor of their total size (`flat`): a bucket of gradients reduced where they are, with
+    no copy into `flat` and back where the transport can (nbdist.common's
+    allreduce_pieces_async_). synchronize() returns True when the result is in `tensors`;
+    False when they were packed into `flat` and the result is there. Not Horovod's API:
+    the DistributedOptimizer's buckets use it."""
+    ps = check_process_set(process_set, "allreduce_async_")
+    inner = _c.ops.allreduce_pieces_async_(
+        _tu.numpy_view(flat), [_tu.numpy_view(t) for t in tensors], op=op, name=name,
+        prescale_factor=prescale_factor, postscale_factor=postscale_factor, process_set=ps)
+    return Handle(inner, lambda result: result.__class__ is tuple, keep=(flat, *tensors))
+
+
 class _Allreduce(torch.autograd.Function):
     """allreduce whose gradient is the same allreduce of the incoming gradient (Horovod)."""
 

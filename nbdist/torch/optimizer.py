@@ -26,7 +26,8 @@ from nbdist.common import world as _world
 
 from .compression import Compression
 from .mpi_ops import (Adasum, Average, _SparseHandle, allreduce_async_,
-                      grouped_allreduce_async_, sparse_allreduce_async, synchronize)
+                      allreduce_pieces_async_, grouped_allreduce_async_,
+                      sparse_allreduce_async, synchronize)
 from .process_sets import check_process_set, global_process_set
 
 _instances = itertools.count()  # numbers unnamed optimizers, so two never share op names
@@ -307,18 +308,32 @@ class _DistributedMixin:
         grads = [self._dense_grad(p) for p in bucket.params]
         compressed, ctxs = zip(*[self._compression.compress(g) for g in grads])
         flat = bucket.buffer()
-        torch.cat([c.reshape(-1) for c in compressed], out=flat)
-        handle = allreduce_async_(flat, name=bucket.name, op=self.op,
-                                  prescale_factor=self._prescale, postscale_factor=self._postscale,
-                                  process_set=self._process_set)
-        self._handles[bucket] = (handle, ctxs)
+        if bucket.device.type == "cpu" and all(c.is_contiguous() for c in compressed):
+            # reduced where the gradients are: no copy into the flat buffer and back
+            handle = allreduce_pieces_async_(flat, compressed, bucket.name, self.op,
+                                             self._prescale, self._postscale,
+                                             self._process_set)
+        else:
+            torch.cat([c.reshape(-1) for c in compressed], out=flat)
+            handle = allreduce_async_(flat, name=bucket.name, op=self.op,
+                                      prescale_factor=self._prescale,
+                                      postscale_factor=self._postscale,
+                                      process_set=self._process_set)
+        self._handles[bucket] = (handle, (compressed, ctxs))
         bucket.ready = 0
 
-    def _unpack_bucket(self, bucket: _Bucket, ctxs) -> None:
+    def _unpack_bucket(self, bucket: _Bucket, in_pieces, sent) -> None:
+        """The bucket's results into the gradients: from the tensors sent when they were
+        reduced where they are (`in_pieces`; nothing to do without compression), else from
+        the flat buffer."""
+        compressed, ctxs = sent
         offset = 0
         flat = bucket.flat
         assert flat is not None
-        for p, ctx in zip(bucket.params, ctxs):
+        for p, c, ctx in zip(bucket.params, compressed, ctxs):
+            if in_pieces:
+                self._write_back(p, c, ctx)
+                continue
             n = p.grad.numel()
             p.grad.copy_(self._compression.decompress(flat[offset:offset + n].view(p.grad.shape),
                                                       ctx))
@@ -422,9 +437,9 @@ class _DistributedMixin:
                 if isinstance(handle, _SparseHandle):
                     key.grad = handle.wait().coalesce()
                 else:
-                    synchronize(handle)
+                    result = synchronize(handle)
                     if isinstance(key, _Bucket):
-                        self._unpack_bucket(key, ctx)
+                        self._unpack_bucket(key, result is True, ctx)
                     elif isinstance(key, tuple):
                         for p, (compressed, c) in zip(key, ctx):
                             self._write_back(p, compressed, c)

@@ -227,6 +227,46 @@ def test_hundreds_of_small_ops_fused():
     assert units < count / 4, f"{count} small allreduces ran as {units} units: no fusion"
 
 
+@pytest.mark.parametrize("dtype,op", [(np.float32, hvd.Average), (np.float64, hvd.Sum),
+                                      (np.float16, hvd.Average), (np.int32, hvd.Average)],
+                         ids=["f32-avg", "f64-sum", "f16-avg", "i32-avg"])
+def test_pieces_reduced_where_they_are(dtype, op):
+    # A bucket of gradients: pieces of every size (a 1.5 MiB one makes the unit bigger
+    # than a slot), reduced as one flat array. Where the transport scales natively (the
+    # shm transport: float32/float64) the pieces hold the result and the handle says so;
+    # else they are packed into `flat`, which holds it. Steps repeat (the cached op), and
+    # a small op fused with the bucket keeps its own result.
+    sizes = [3, 0, 1000, 3 * 2**17 + 1, 7]
+    flat = np.full(sum(sizes), -1, dtype)
+    transport = hvd.basics.engine().executor.choose("cpu", "allreduce")
+    native = hasattr(transport, "allreduce_pieces") and dtype in (np.float32, np.float64)
+    for step in range(3):
+        pieces = [(np.arange(n) % 5 + RANK + step).astype(dtype) for n in sizes]
+        want = [sum((np.arange(n) % 5 + r + step) for r in range(SIZE)) for n in sizes]
+        if op == hvd.Average:
+            want = [w / SIZE if dtype != np.int32 else w // SIZE for w in want]
+        handle = hvd.ops.allreduce_pieces_async_(flat, pieces, op=op, name=f"pieces.{dtype.__name__}")
+        small = hvd.allreduce_async(np.full(3, RANK, np.float32), op=hvd.Sum, name="beside.pieces")
+        result = hvd.synchronize(handle)
+        np.testing.assert_array_equal(hvd.synchronize(small), np.full(3, SIZE * (SIZE - 1) / 2))
+        if native:
+            assert result.__class__ is tuple and all(r is p for r, p in zip(result, pieces))
+            got = pieces
+        else:
+            assert result is flat
+            got = np.split(flat, np.cumsum(sizes)[:-1])
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, np.asarray(w, dtype))
+
+
+def test_pieces_that_do_not_add_up_are_refused():
+    flat = np.zeros(10, np.float32)
+    for pieces in ([np.zeros(9, np.float32)], [np.zeros(10, np.float64)],
+                   [np.zeros((4, 5), np.float32)[:, :2]], [np.zeros(10, np.float32)[::-1]]):
+        with pytest.raises(ValueError, match=f"rank {RANK}.*adding up to the 1-d flat array"):
+            hvd.ops.allreduce_pieces_async_(flat, pieces, name="pieces.bad")
+
+
 def test_steady_state_uses_response_cache():
     engine = hvd.basics.engine()
     for _step in range(3):

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import nbdist.common
 import nbdist.torch as hvd
 
 from _torch_setup import N, R, runtime  # noqa: F401 (the autouse fixture starts nbdist)
@@ -519,6 +520,32 @@ def test_gradients_go_in_buckets_after_the_first_step():
         else:
             assert len(ops) == 1 and set(ops[0]) == set(model.parameters())
         opt.step()
+        opt.zero_grad()
+    ref = make_model()
+    train(ref, torch.optim.SGD(ref.parameters(), lr=0.1), 3, 1, False)
+    assert_same_params(model, ref)
+
+
+def test_a_bucket_is_reduced_in_the_gradients_themselves():
+    """On CPU the bucket's gradients are reduced where they are: each p.grad keeps its
+    storage, and nothing passes through the bucket's flat buffer (the shm transport)."""
+    model = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    transport = nbdist.common.basics.engine().executor.choose("cpu", "allreduce")
+    for step in range(3):
+        x, y = global_batch(step, 0)
+        F.mse_loss(model(shard(x)), shard(y)).backward()
+        storage = {p: p.grad.data_ptr() for p in model.parameters()}
+        if step > 0:
+            (bucket,) = opt._buckets
+            bucket.buffer().fill_(float("nan"))
+        opt.synchronize()
+        assert all(p.grad.data_ptr() == storage[p] for p in model.parameters())
+        if step > 0 and hasattr(transport, "allreduce_pieces"):
+            assert torch.isnan(bucket.flat).all()
+        with opt.skip_synchronize():
+            opt.step()
         opt.zero_grad()
     ref = make_model()
     train(ref, torch.optim.SGD(ref.parameters(), lr=0.1), 3, 1, False)
