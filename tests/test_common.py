@@ -95,6 +95,16 @@ def test_options_and_horovod_aliases(monkeypatch):
     monkeypatch.setenv("NBDIST_CPU_OPERATIONS", "carrier-pigeon")
     with pytest.raises(ValueError, match="CPU_OPERATIONS"):
         Config.from_environment()
+    monkeypatch.delenv("NBDIST_CPU_OPERATIONS")
+    assert not Config.from_environment().autotune
+    monkeypatch.setenv("HOROVOD_AUTOTUNE", "1")
+    monkeypatch.setenv("HOROVOD_AUTOTUNE_LOG", "/tmp/tune.csv")
+    monkeypatch.setenv("NBDIST_AUTOTUNE_STEPS_PER_SAMPLE", "4")
+    config = Config.from_environment()
+    assert config.autotune and config.autotune_log == "/tmp/tune.csv" and config.autotune_steps == 4
+    monkeypatch.setenv("NBDIST_AUTOTUNE", "maybe")
+    with pytest.raises(ValueError, match="NBDIST_AUTOTUNE='maybe': expected 1 or 0"):
+        Config.from_environment()
 
 
 def test_uninitialized_calls_say_so():

@@ -28,6 +28,19 @@ def _number(name: str, default: float, horovod_name: str | None = None, cast=flo
         raise ValueError(f"environment variable NBDIST_{name}={raw!r} is not a number") from None
 
 
+def _flag(name: str) -> bool:
+    """NBDIST_<name> (or HOROVOD_<name>) as a switch: 1/true/yes/on, 0/false/no/off."""
+    raw = _env(name)
+    if raw is None:
+        return False
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"environment variable NBDIST_{name}={raw!r}: expected 1 or 0")
+
+
 @dataclass(frozen=True)
 class Config:
     """The runtime's options, read once at init()."""
@@ -42,6 +55,13 @@ class Config:
     timeout_s: float = 600.0  # NBDIST_TIMEOUT_S (0: wait for ever); HOROVOD_STALL_SHUTDOWN_TIME_SECONDS
     cpu_operations: str = "auto"  # NBDIST_CPU_OPERATIONS / HOROVOD_CPU_OPERATIONS: auto|mpi|shm
     local_size: int = 0  # NBDIST_LOCAL_SIZE: pretend nodes of this many ranks (1: each rank its own node)
+    # NBDIST_AUTOTUNE / HOROVOD_AUTOTUNE: torch's DistributedOptimizer picks its bucket size
+    # by measurement (nbdist/torch/autotune.py), measuring AUTOTUNE_STEPS_PER_SAMPLE steps
+    # per candidate after NBDIST_AUTOTUNE_WARMUP_STEPS; the scores go to AUTOTUNE_LOG (CSV)
+    autotune: bool = False
+    autotune_steps: int = 10
+    autotune_warmup: int = 2
+    autotune_log: str | None = None
 
     @classmethod
     def from_environment(cls) -> "Config":
@@ -58,8 +78,14 @@ class Config:
             timeout_s=_number("TIMEOUT_S", 600.0, "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"),
             cpu_operations=cpu_ops,
             local_size=int(_number("LOCAL_SIZE", 0, cast=int)),
+            autotune=_flag("AUTOTUNE"),
+            autotune_steps=int(_number("AUTOTUNE_STEPS_PER_SAMPLE", 10, cast=int)),
+            autotune_warmup=int(_number("AUTOTUNE_WARMUP_STEPS", 2, "NBDIST_AUTOTUNE_WARMUP_STEPS",
+                                        cast=int)),
+            autotune_log=_env("AUTOTUNE_LOG"),
         )
-        if config.fusion_threshold < 0 or config.bucket_bytes < 0 or config.cycle_time_ms < 0 or config.local_size < 0:
+        if (config.fusion_threshold < 0 or config.bucket_bytes < 0 or config.cycle_time_ms < 0
+                or config.local_size < 0 or config.autotune_steps < 1 or config.autotune_warmup < 0):
             raise ValueError(f"negative value in nbdist options: {config}")
         return config
 

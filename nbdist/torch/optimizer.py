@@ -19,11 +19,13 @@ import warnings
 import weakref
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 from nbdist import common as _c
 from nbdist.common import world as _world
 
+from .autotune import BucketTuner
 from .compression import Compression
 from .mpi_ops import (Adasum, Average, _SparseHandle, allreduce_async_,
                       allreduce_pieces_async_, grouped_allreduce_async_,
@@ -93,10 +95,12 @@ class _DistributedMixin:
         # Buckets (see the module's docstring) are laid out after the first step, from the
         # hook order it records here. Not with explicit groups (the user chose the fusion)
         # nor with Adasum, whose result depends on how the gradients are split.
-        self._bucket_bytes = (_c.basics.config().bucket_bytes if bucket_bytes is None
-                              else int(bucket_bytes))
+        config = _c.basics.config()
+        self._bucket_bytes = config.bucket_bytes if bucket_bytes is None else int(bucket_bytes)
         self._bucketing = not self._group_of and op != Adasum and self._bucket_bytes > 0
         self._sparse: set = set()  # parameters whose gradients took the sparse path
+        self._layout_order: tuple | None = None  # (names in rank 0's hook order, sparse names)
+        self._tuner: BucketTuner | None = None
         self._drop_buckets()
         # One rank has nothing to average with: behave as the plain optimizer (as Horovod).
         # A rank outside the optimizer's process set trains alone (as in Horovod).
@@ -104,6 +108,23 @@ class _DistributedMixin:
                         and _c.process_sets.size_of(process_set) > 1)
         if self._active:
             self._register_hooks()
+            if self._bucketing and config.autotune:
+                self._tuner = BucketTuner(
+                    self._bucket_bytes, config.autotune_steps, config.autotune_warmup,
+                    self._slowest, config.autotune_log,
+                    _c.process_sets.rank_in(process_set) == 0)
+
+    def _slowest(self, seconds: float) -> float:
+        """The largest of the ranks' `seconds` (the autotuner's score of a bucket size)."""
+        times = _c.allreduce(np.array([seconds]), op=_c.Max, name="DistributedOptimizer.autotune",
+                             process_set=self._process_set)
+        return float(times[0])
+
+    @property
+    def autotune_scores(self) -> dict:
+        """With NBDIST_AUTOTUNE: each bucket size tried so far -> the slowest rank's median
+        seconds per step (nbdist extension; empty without autotune)."""
+        return dict(self._tuner.scores) if self._tuner is not None else {}
 
     # ----------------------------------------------------------- set-up
 
@@ -351,10 +372,16 @@ class _DistributedMixin:
         return False
 
     def _drop_buckets(self) -> None:
+        self._clear_layout()
+        self._hook_order: list | None = [] if self._bucketing else None
+        self._layout_order = None
+        self._layout_generation = _world.generation()
+        if self._tuner is not None:
+            self._tuner.reset()
+
+    def _clear_layout(self) -> None:
         self._buckets: list[_Bucket] = []
         self._bucket_of: dict = {}
-        self._hook_order: list | None = [] if self._bucketing else None
-        self._layout_generation = _world.generation()
 
     def _build_buckets(self) -> None:
         """Lay the buckets out from rank 0's hook order of the first step (all ranks agree).
@@ -380,6 +407,15 @@ class _DistributedMixin:
         if any(sorted(o) != sorted(reference) for o, _ in gathered):
             return  # the ranks' parameters differ: their single ops report it by name
         sparse = {n for _, s in gathered for n in s}  # reduced as allgathers, never bucketed
+        self._layout_order = (reference, sparse)
+        self._lay_out(self._tuner.bucket_bytes if self._tuner is not None else self._bucket_bytes)
+
+    def _lay_out(self, bucket_bytes: int) -> None:
+        """Cut the agreed order into buckets of `bucket_bytes` (0: none, one op per gradient)."""
+        assert self._layout_order is not None
+        reference, sparse = self._layout_order
+        names = self._parameter_names
+        self._clear_layout()
         by_name = {names[p]: p for p in self._params}
         open_buckets: dict = {}  # (dtype, device) -> [members, bytes]
         layouts = []
@@ -391,7 +427,7 @@ class _DistributedMixin:
             key = (dtype, p.device)
             size = p.numel() * dtype.itemsize
             members = open_buckets.get(key)
-            if members is None or (members[0] and members[1] + size > self._bucket_bytes):
+            if members is None or (members[0] and members[1] + size > bucket_bytes):
                 members = open_buckets[key] = [[], 0]
                 layouts.append((key, members))
             members[0].append(p)
@@ -450,6 +486,9 @@ class _DistributedMixin:
         self._end_reduction(error)
         if self._hook_order is not None:
             self._build_buckets()
+        elif (self._tuner is not None and self._layout_order is not None
+              and self._tuner.step_done()):
+            self._lay_out(self._tuner.bucket_bytes)  # the next candidate, or the one chosen
         self._synchronized = True
 
     def _end_reduction(self, error: BaseException | None) -> None:

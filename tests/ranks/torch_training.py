@@ -4,6 +4,7 @@ The reference for training is one process that sees the whole global batch (ever
 rank's shard concatenated): N ranks averaging gradients of their shards' mean loss
 must end with the same parameters.
 """
+import dataclasses
 import warnings
 
 import pytest
@@ -549,6 +550,39 @@ def test_a_bucket_is_reduced_in_the_gradients_themselves():
         opt.zero_grad()
     ref = make_model()
     train(ref, torch.optim.SGD(ref.parameters(), lr=0.1), 3, 1, False)
+    assert_same_params(model, ref)
+
+
+def test_autotune_picks_the_bucket_size_by_measurement(monkeypatch, tmp_path):
+    """NBDIST_AUTOTUNE: after the layout step, each candidate bucket size trains a warm-up
+    step and two measured ones, in two rounds; every rank then keeps the same size, the
+    fastest, and rank 0 writes the scores to NBDIST_AUTOTUNE_LOG. The training itself is
+    unchanged."""
+    config = nbdist.common.basics.config()
+    log = tmp_path / "autotune.csv"
+    monkeypatch.setattr(nbdist.common.basics, "config", lambda: dataclasses.replace(
+        config, autotune=True, autotune_steps=2, autotune_warmup=1, autotune_log=str(log)))
+    model = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), bucket_bytes=100)
+    # layout, first timed step, 2 rounds x 5 candidates x 3 steps (the middle of the
+    # schedule runs one size twice in a row: no new layout, still its warm-up), then more
+    steps = 2 + 2 * 5 * 3 + 2
+    train(model, opt, steps, 1, True)
+    MiB = 1024 * 1024
+    scores = opt.autotune_scores
+    assert sorted(scores) == [0, 100, MiB, 4 * MiB, 25 * MiB]
+    chosen = opt._tuner.chosen
+    assert scores[chosen] == min(scores.values())
+    assert hvd.allgather_object((chosen, scores)) == [(chosen, scores)] * N()
+    assert len(opt._buckets) == (1 if chosen >= 100 else 0)  # this model: 80 float64 params
+    if R() == 0:
+        rows = log.read_text().splitlines()
+        assert rows[0] == "bucket_bytes,round,median_step_ms,chosen"
+        assert sorted(int(r.split(",")[0]) for r in rows[1:]) == sorted(list(scores) * 2)
+        assert {r.split(",")[0] for r in rows[1:] if r.endswith(",1")} == {str(chosen)}
+    ref = make_model()
+    train(ref, torch.optim.SGD(ref.parameters(), lr=0.1), steps, 1, False)
     assert_same_params(model, ref)
 
 
