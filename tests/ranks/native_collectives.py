@@ -189,6 +189,20 @@ def test_allgatherv_uneven(shm, scale):
     same(recv, np.concatenate(parts))
 
 
+@pytest.mark.parametrize("shift", [0, 1, -3])
+def test_allgatherv_from_inside_the_receive_buffer(shm, shift):
+    # This rank's part already where it goes (shift 0: in place), or overlapping that
+    # place: it must land whole, as from a separate buffer, across several chunks.
+    count = 3 * 64 * 1024 // 8 + 11
+    want = np.concatenate([np.arange(count, dtype=np.float64) + 1000 * r for r in range(SIZE)])
+    recv = np.zeros(SIZE * count + 8, np.float64)
+    start = RANK * count + 4 + shift
+    recv[start:start + count] = want[RANK * count:(RANK + 1) * count]
+    out = recv[4:4 + SIZE * count]
+    shm.allgatherv(recv[start:start + count], out, [count] * SIZE)
+    same(out, want)
+
+
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.int64, np.uint8],
                          ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("op", OPS, ids=lambda o: o.name)
