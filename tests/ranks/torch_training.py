@@ -534,16 +534,17 @@ def test_a_bucket_is_reduced_in_the_gradients_themselves():
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    named_parameters=model.named_parameters())
     transport = nbdist.common.basics.engine().executor.choose("cpu", "allreduce")
+    in_pieces = hasattr(transport, "allreduce_pieces")  # else packed into the flat buffer
     for step in range(3):
         x, y = global_batch(step, 0)
         F.mse_loss(model(shard(x)), shard(y)).backward()
         storage = {p: p.grad.data_ptr() for p in model.parameters()}
-        if step > 0:
+        if step > 0 and in_pieces:  # (the op may be done already: only a buffer it never uses)
             (bucket,) = opt._buckets
             bucket.buffer().fill_(float("nan"))
         opt.synchronize()
         assert all(p.grad.data_ptr() == storage[p] for p in model.parameters())
-        if step > 0 and hasattr(transport, "allreduce_pieces"):
+        if step > 0 and in_pieces:
             assert torch.isnan(bucket.flat).all()
         with opt.skip_synchronize():
             opt.step()
@@ -575,7 +576,8 @@ def test_autotune_picks_the_bucket_size_by_measurement(monkeypatch, tmp_path):
     chosen = opt._tuner.chosen
     assert scores[chosen] == min(scores.values())
     assert hvd.allgather_object((chosen, scores)) == [(chosen, scores)] * N()
-    assert len(opt._buckets) == (1 if chosen >= 100 else 0)  # this model: 80 float64 params
+    # this model's gradients: 192, 48, 96 and 16 bytes; 100-byte buckets hold one each
+    assert len(opt._buckets) == (0 if chosen in (0, 100) else 1)
     if R() == 0:
         rows = log.read_text().splitlines()
         assert rows[0] == "bucket_bytes,round,median_step_ms,chosen"
