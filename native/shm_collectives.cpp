@@ -22,7 +22,6 @@ size_t clamp_len(int64_t total, size_t off, size_t cap) {
 
 size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
-
 void check_counts(const std::vector<int64_t>& v, int n, const char* what) {
   if (static_cast<int>(v.size()) != n)
     throw std::invalid_argument(std::string("shm ") + what + ": expected " + std::to_string(n) +

@@ -16,6 +16,7 @@ Horovod's op raises; where that library was not built the numpy_function wait is
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 from typing import Callable, Sequence
@@ -99,16 +100,11 @@ def eager_result(array, dtype: tf.DType) -> tf.Tensor:
     return _EagerTensor(array, device, dtype.as_datatype_enum)
 
 
-_ACCELERATOR_DEFAULT: list = []  # [bool] once known: TF's devices are fixed after init
-
-
+@functools.cache  # (TF's devices are fixed once it is initialised)
 def _default_places_on_accelerator() -> bool:
     """Whether TF places a new tensor outside a tf.device scope on a GPU (or another
     accelerator) rather than the host CPU: whether this process sees any such device."""
-    if not _ACCELERATOR_DEFAULT:
-        kinds = {d.device_type for d in tf.config.list_logical_devices()}
-        _ACCELERATOR_DEFAULT.append(bool(kinds - {"CPU"}))
-    return _ACCELERATOR_DEFAULT[0]
+    return bool({d.device_type for d in tf.config.list_logical_devices()} - {"CPU"})
 
 
 def in_xla_context() -> bool:

@@ -408,12 +408,14 @@ class _DistributedMixin:
             return  # the ranks' parameters differ: their single ops report it by name
         sparse = {n for _, s in gathered for n in s}  # reduced as allgathers, never bucketed
         self._layout_order = (reference, sparse)
-        self._lay_out(self._tuner.bucket_bytes if self._tuner is not None else self._bucket_bytes)
+        self._lay_out()
 
-    def _lay_out(self, bucket_bytes: int) -> None:
-        """Cut the agreed order into buckets of `bucket_bytes` (0: none, one op per gradient)."""
+    def _lay_out(self) -> None:
+        """Cut the agreed order into buckets of the size in use (the autotuner's candidate
+        or choice, else bucket_bytes; 0: none, one op per gradient)."""
         assert self._layout_order is not None
         reference, sparse = self._layout_order
+        bucket_bytes = self._tuner.bucket_bytes if self._tuner is not None else self._bucket_bytes
         names = self._parameter_names
         self._clear_layout()
         by_name = {names[p]: p for p in self._params}
@@ -488,7 +490,7 @@ class _DistributedMixin:
             self._build_buckets()
         elif (self._tuner is not None and self._layout_order is not None
               and self._tuner.step_done()):
-            self._lay_out(self._tuner.bucket_bytes)  # the next candidate, or the one chosen
+            self._lay_out()  # the next candidate, or the one chosen
         self._synchronized = True
 
     def _end_reduction(self, error: BaseException | None) -> None:
