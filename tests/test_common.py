@@ -167,3 +167,29 @@ def test_pooled_results_never_alias_a_live_array():
     del second, third
     buffers.clear_pool()
     assert buffers.pool_stats()["free_bytes"] == 0
+
+
+def test_a_full_pool_keeps_the_blocks_returned_last(monkeypatch):
+    """When a program's sizes change, its new sizes get pooled: a full pool lets the
+    blocks that waited longest go."""
+    import numpy as np
+
+    from nbdist.common import buffers
+
+    buffers.clear_pool()
+    small, big = buffers.POOL_MIN_BYTES, 2 * buffers.POOL_MIN_BYTES
+    monkeypatch.setattr(buffers, "POOL_MAX_FREE_BYTES", 3 * small)
+    first, second, last = (buffers.empty(small, np.uint8) for _ in range(3))
+    last_address = last.ctypes.data
+    del first, second, last  # returned in that order: the pool is full
+    assert buffers.pool_stats()["free_bytes"] == 3 * small
+    new = buffers.empty(big, np.uint8)
+    address = new.ctypes.data
+    del new  # room is made: the two oldest small blocks go
+    assert buffers.pool_stats()["free_bytes"] == small + big
+    assert buffers.empty(big, np.uint8).ctypes.data == address
+    assert buffers.empty(small, np.uint8).ctypes.data == last_address
+    too_big = buffers.empty(4 * small, np.uint8)
+    del too_big  # bigger than the whole pool: never kept
+    assert buffers.pool_stats()["free_bytes"] <= 3 * small
+    buffers.clear_pool()

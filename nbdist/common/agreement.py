@@ -378,12 +378,13 @@ class ShmAgreement:
         if resp.kind != ALLREDUCE or req.pieces is not None:
             return None
         executor = self.engine.executor
-        plan = executor.plan_allreduce(resp, req.array, req.inplace)
+        plan = executor.plan_allreduce(resp, req.array, req.inplace, req.out)
         if plan is None:
             return None
         transport, src, out, op, factor = plan
         voted = self.seg.agree_allreduce(cid, nbits, transport, src, out, op, factor)
         if voted is not None:
+            req.out = out  # (the cycle that runs it writes there: no second array)
             return voted
         del bit_pending[cid]  # the native call published this rank's queue as empty
         self._counts["ran_with_vote"] += 1
@@ -439,27 +440,28 @@ class ShmAgreement:
             stats["express"] += 1
             eng.executor.count_planned(kind)
             return out
-        return self._express_waits(kind, name, array, inplace, plan, voted)
+        return self._express_waits(kind, name, array, inplace, out, plan, voted)
 
-    def express_resumed(self, kind: str, name: str, array: np.ndarray, inplace: bool, voted,
-                        error):
+    def express_resumed(self, kind: str, name: str, array: np.ndarray, inplace: bool,
+                        out: np.ndarray, voted, error):
         """The rest of an op the express table started and did not finish (the lock held):
-        what express() does after its native call. `voted` is that call's answer (False, or
-        the vote's), `error` the message it failed with, or None."""
+        what express() does after its native call. `out` is the result array that call made,
+        `voted` its answer (False, or the vote's), `error` the message it failed with, or
+        None."""
         if error is not None:
             raise TransportError(error)
         if voted is not False:
             self.last_cycle = time.monotonic()
         plan = self._express_plans[(kind,) if name.__class__ is AutoName else name]
-        return self._express_waits(kind, name, array, inplace, plan, voted)
+        return self._express_waits(kind, name, array, inplace, out, plan, voted)
 
     def _express_waits(self, kind: str, name: str, array: np.ndarray, inplace: bool,
-                       plan: _ExpressPlan, voted) -> Handle:
+                       out: np.ndarray, plan: _ExpressPlan, voted) -> Handle:
         """An express op that did not run at once: it waits as this rank's cache bit, as if
-        submitted; its Handle."""
+        submitted, with `out` (made for it already) as its result array; its Handle."""
         eng = self.engine
         req = Request(name=name, kind=kind, array=array, inplace=inplace,
-                      signature=plan.sig, handle=Handle(name),
+                      signature=plan.sig, handle=Handle(name), out=out,
                       named=name.__class__ is not AutoName)
         req.handle.engine = eng
         with eng._cv:
@@ -489,7 +491,8 @@ class ShmAgreement:
         resp = coord.cache_by_id[cid].response
         executor = self.engine.executor
         if kind is ALLREDUCE:
-            planned = executor.plan_allreduce(resp, array, inplace)
+            # (only the plan is wanted here: `array` stands in for the output array)
+            planned = executor.plan_allreduce(resp, array, inplace, out=array)
             if planned is None or not hasattr(planned[0], "express_allreduce"):
                 return None
             transport, _, _, transport_op, factor = planned

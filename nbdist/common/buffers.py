@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import threading
 import weakref
+from collections import OrderedDict
 
 import numpy as np
 
@@ -25,7 +26,11 @@ POOL_MIN_BYTES = 1 * MiB  # below this, glibc's malloc reuses freed memory by it
 POOL_MAX_FREE_BYTES = 256 * MiB  # free blocks kept (a 4-rank 64 MiB allgather); more go back
 
 _lock = threading.Lock()
-_free: dict[int, list[np.ndarray]] = {}  # nbytes -> free blocks of exactly that size
+# nbytes -> free blocks of exactly that size, oldest returned first
+_free: dict[int, list[np.ndarray]] = {}
+# every free block by id, oldest returned first: when the pool is full, the blocks that
+# waited longest make room, so a program whose sizes change gets its new sizes pooled
+_returned: OrderedDict[int, np.ndarray] = OrderedDict()
 _stats = {"free_bytes": 0, "hits": 0, "misses": 0}
 
 
@@ -40,10 +45,21 @@ class _Lease:
 
 
 def _give_back(block: np.ndarray) -> None:
+    nbytes = block.nbytes
+    if nbytes > POOL_MAX_FREE_BYTES:
+        return
     with _lock:
-        if _stats["free_bytes"] + block.nbytes <= POOL_MAX_FREE_BYTES:
-            _free.setdefault(block.nbytes, []).append(block)
-            _stats["free_bytes"] += block.nbytes
+        while _stats["free_bytes"] + nbytes > POOL_MAX_FREE_BYTES:
+            _, old = _returned.popitem(last=False)
+            # (the oldest free block overall is the oldest of its size: first in its list)
+            same = _free[old.nbytes]
+            del same[0]
+            if not same:
+                del _free[old.nbytes]
+            _stats["free_bytes"] -= old.nbytes
+        _free.setdefault(nbytes, []).append(block)
+        _returned[id(block)] = block
+        _stats["free_bytes"] += nbytes
 
 
 def empty(shape, dtype) -> np.ndarray:
@@ -65,6 +81,7 @@ def _empty(shape: tuple, dtype: np.dtype, nbytes: int) -> np.ndarray:
         blocks = _free.get(nbytes)
         block = blocks.pop() if blocks else None
         if block is not None:
+            del _returned[id(block)]
             _stats["free_bytes"] -= nbytes
             _stats["hits"] += 1
         else:
@@ -87,4 +104,5 @@ def clear_pool() -> None:
     """Give every free block back to the system (shutdown)."""
     with _lock:
         _free.clear()
+        _returned.clear()
         _stats["free_bytes"] = 0

@@ -299,10 +299,10 @@ class Engine:
         """The rest of an op the native express table started (ops' synchronous forms): it
         returned `started`, (vote, output, error, Ctrl-C gate entered), with the agreement
         lock held. The result, or a Handle, as express() returns them."""
-        voted, _, error, gated = started
+        voted, out, error, gated = started
         agreement = self.agreement
         return self._express_locked(agreement, gated, agreement.express_resumed, kind, name,
-                                    array, inplace, voted, error)
+                                    array, inplace, out, voted, error)
 
     def _express_locked(self, agreement, gated: bool, step, *args):
         """express()'s work under the agreement lock, which it releases: step(*args) (the op

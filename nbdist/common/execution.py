@@ -102,11 +102,13 @@ class Executor:
             return 1.0
         return post if dtype.char in "fd" else None
 
-    def plan_allreduce(self, resp: Response, array: np.ndarray, inplace: bool) -> tuple | None:
+    def plan_allreduce(self, resp: Response, array: np.ndarray, inplace: bool,
+                       out: np.ndarray | None = None) -> tuple | None:
         """How this rank runs `resp`, a unit of its own over `array`, as one native
         allreduce_into: (transport, input, output, transport op, factor); None when it needs
         the general path (a GPU buffer, a prescale, a transport without allreduce_into,
-        Python-side scaling)."""
+        Python-side scaling). The output of an out-of-place op is `out` when given (see
+        Request.out), else a new array."""
         if resp.device != "cpu" or resp.prescale != 1.0:
             return None
         transport = self.choose("cpu", ALLREDUCE)
@@ -115,7 +117,10 @@ class Executor:
         factor = self._native_factor(resp, array.dtype)
         if factor is None:
             return None
-        out = array if inplace else buffers.empty_like(array)
+        if inplace:
+            out = array
+        elif out is None:
+            out = buffers.empty_like(array)
         return transport, array, out, self._transport_op(resp.op), factor
 
     def complete_planned(self, resp: Response, req: Request, out: np.ndarray,
@@ -241,7 +246,7 @@ class Executor:
             return
         pieced = any(req is not None and req.pieces is not None for req in reqs)
         if len(unit) == 1 and reqs[0] is not None and not pieced:
-            plan = self.plan_allreduce(first, reqs[0].array, reqs[0].inplace)
+            plan = self.plan_allreduce(first, reqs[0].array, reqs[0].inplace, reqs[0].out)
             if plan is not None:
                 transport, src, out, op, factor = plan
                 traced = self._traced(ALLREDUCE, reqs, self._transport_phase(transport, ALLREDUCE))
@@ -259,7 +264,7 @@ class Executor:
             elif req.inplace:
                 outputs.append(req.array)
             else:
-                outputs.append(buffers.empty_like(req.array))
+                outputs.append(req.out if req.out is not None else buffers.empty_like(req.array))
         factor = (self._native_factor(first, outputs[0].dtype)
                   if first.prescale == 1.0 and hasattr(transport, "allreduce_pieces") else None)
         if factor is not None and (len(unit) > 1 or pieced):
@@ -340,7 +345,11 @@ class Executor:
         inner = resp.shapes[0]
         row = math.prod(inner)
         rows = resp.first_dims[0]
-        recv = buffers.empty((sum(rows),) + tuple(inner), dtype)
+        shape = (sum(rows),) + tuple(inner)
+        if req is not None and req.out is not None and req.out.shape == shape:
+            recv = req.out
+        else:
+            recv = buffers.empty(shape, dtype)
         send = req.array if req is not None else np.empty((0,) + tuple(inner), dtype)
         transport = self.choose(resp.device, ALLGATHER)
         traced = self._traced(ALLGATHER, [req], self._transport_phase(transport, ALLGATHER))
@@ -357,6 +366,8 @@ class Executor:
             return
         if req is None:
             buf = np.empty(resp.shapes[0], numpy_dtype(resp.dtype))
+        elif req.out is not None:
+            buf = req.out
         else:
             buf = self.broadcast_output(req.array, req.inplace, resp.root)
         transport = self.choose(resp.device, BROADCAST)

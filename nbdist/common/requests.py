@@ -135,6 +135,11 @@ class Request:
     # the executor packs them when it cannot reduce them where they are): see
     # ops.allreduce_pieces_async_.
     pieces: tuple | None = None
+    # The result array made already, by an express attempt that a late peer made wait
+    # (see ShmAgreement.express): the executor writes the result there instead of taking
+    # a second one, which would leave the buffer pool short and fault fresh memory in on
+    # the next call. A broadcast's holds the root's input already.
+    out: np.ndarray | None = None
     named: bool = True  # user-named (cacheable by name), or auto-named / uncached
     sent_at: float = 0.0  # when this rank sent it to rank 0 (monotonic clock)
 

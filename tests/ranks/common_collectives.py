@@ -635,6 +635,41 @@ def test_repeated_sync_broadcasts_run_in_the_calling_thread():
         assert _express_ran_since(before)
 
 
+def test_a_late_peer_costs_the_waiting_ranks_no_second_result_array():
+    # An express op that a late peer makes wait (handed back by the native table, or
+    # waiting in Python) keeps the result array it made: the executor writes the result
+    # there. A second one would leave the buffer pool short, and the next call would fault
+    # fresh memory in. Counted by the pool: one array per call of 1 MiB or more.
+    from nbdist.common import buffers
+
+    n = buffers.POOL_MIN_BYTES // 4
+    calls = {
+        "allreduce": lambda step: (hvd.allreduce(np.full(n, RANK + step, np.float32),
+                                                 op=hvd.Sum, name="late.pool.ar"),
+                                   np.full(n, sum(range(SIZE)) + SIZE * step, np.float32)),
+        "allgather": lambda step: (hvd.allgather(np.full(n, RANK + step, np.float32),
+                                                 name="late.pool.ag"),
+                                   np.repeat(np.arange(SIZE, dtype=np.float32) + step, n)),
+        "broadcast": lambda step: (hvd.broadcast(np.full(n, RANK + step, np.float32),
+                                                 SIZE - 1, name="late.pool.bc"),
+                                   np.full(n, SIZE - 1 + step, np.float32)),
+    }
+    for kind, call in calls.items():
+        results = []
+        for step in range(5):
+            if RANK == 0 and step >= 2:
+                time.sleep(0.05)
+            before = buffers.pool_stats()
+            got, want = call(step)
+            after = buffers.pool_stats()
+            taken = after["hits"] + after["misses"] - before["hits"] - before["misses"]
+            assert taken == 1, f"{kind} call {step} on rank {RANK} took {taken} arrays"
+            np.testing.assert_array_equal(got, want)
+            results.append((got, want))
+        for got, want in results:  # each call's result is its own
+            np.testing.assert_array_equal(got, want)
+
+
 def _table_runs() -> tuple[int, int]:
     """(allgathers and broadcasts, allreduces) the native express table ran on this rank."""
     agreement = hvd.basics.engine().agreement
