@@ -212,7 +212,9 @@ void bind_shm(py::module_& m) {
       .def("abort", [](PyShm& s, const std::string& reason) { s.comm().abort(reason); },
            py::call_guard<py::gil_scoped_release>())
       .def("abort_reason", [](PyShm& s) { return s.comm().abort_reason(); })
-      .def("set_cma_bytes", [](PyShm& s, size_t b) { s.comm().set_cma_bytes(b); })
+      .def("set_cma_bytes", [](PyShm& s, size_t broadcast, size_t allgather) {
+        s.comm().set_cma_bytes(broadcast, allgather);
+      })
       .def("publish_queued", [](PyShm& s, int64_t v) { s.comm().publish_queued(v); })
       .def("peers_queued", [](PyShm& s) { return s.comm().peers_queued(); })
       .def("hold_activity", [](PyShm& s, bool on) { s.comm().hold_activity(on); },

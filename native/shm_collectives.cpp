@@ -328,8 +328,8 @@ void ShmComm::allgatherv(const void* send_, void* recv_, const std::vector<int64
   check_not_aborted(ctx);
   const char* send = static_cast<const char*>(send_);
   char* recv = static_cast<char*>(recv_);
-  if (n_ > 1 && cma_bytes_ &&
-      static_cast<size_t>(std::accumulate(byte_counts.begin(), byte_counts.end(), int64_t{0})) >= cma_bytes_)
+  if (n_ > 1 && cma_gather_bytes_ &&
+      static_cast<size_t>(std::accumulate(byte_counts.begin(), byte_counts.end(), int64_t{0})) >= cma_gather_bytes_)
     return allgatherv_cma(send, recv, byte_counts, ctx);
   const std::vector<size_t> displ = prefix(byte_counts);
   const size_t mine = static_cast<size_t>(byte_counts[rank_]);

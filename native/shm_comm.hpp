@@ -142,10 +142,14 @@ class ShmComm {
   void set_spin(int spin_iters, int yield_iters) { spin_iters_ = spin_iters; yield_iters_ = yield_iters; }
   void set_small_bytes(size_t b) { small_bytes_ = b; }
   void set_stream_bytes(size_t b) { stream_bytes_ = b; }
-  // allgathers/broadcasts of at least this many bytes read peers' buffers directly
-  // (Linux CMA, process_vm_readv: one copy instead of two through the slots); 0: never.
-  // The same value on every rank (the Python side probes that CMA works first).
-  void set_cma_bytes(size_t b) { cma_bytes_ = b; }
+  // Broadcasts of at least `broadcast` bytes, and allgathers moving at least `allgather`
+  // bytes (all ranks' parts), read peers' buffers directly (Linux CMA, process_vm_readv:
+  // one copy instead of two through the slots); 0: never. The same values on every rank
+  // (the Python side probes that CMA works first, and picks them: see shm.py).
+  void set_cma_bytes(size_t broadcast, size_t allgather) {
+    cma_bytes_ = broadcast;
+    cma_gather_bytes_ = allgather;
+  }
 
  private:
   uint64_t next_phase() { return ++gen_; }
@@ -180,7 +184,8 @@ class ShmComm {
   int yield_iters_ = 200;
   size_t small_bytes_ = 64 * 1024;
   size_t stream_bytes_ = SIZE_MAX;
-  size_t cma_bytes_ = 0;
+  size_t cma_bytes_ = 0;         // broadcast
+  size_t cma_gather_bytes_ = 0;  // allgather
   std::atomic<uint64_t> doorbell_{0};  // ring() count (this process only)
   std::atomic<int> idle_sleeping_{0};  // wait_activity is (about to be) in FUTEX_WAIT
   std::atomic<int> held_{0};           // hold_activity(true): another thread watches peers

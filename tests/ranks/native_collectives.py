@@ -367,10 +367,14 @@ def test_streaming_copy_out_gives_the_same_result(monkeypatch):
         t.close()
 
 
-@pytest.mark.parametrize("cma_bytes", ["0", "1"], ids=["through-slots", "single-copy"])
-def test_allgather_and_broadcast_with_and_without_single_copy(monkeypatch, cma_bytes):
-    """NBDIST_SHM_CMA_BYTES: peers' buffers read directly (process_vm_readv) or through the slots."""
-    monkeypatch.setenv("NBDIST_SHM_CMA_BYTES", cma_bytes)
+@pytest.mark.parametrize("env", [{"NBDIST_SHM_CMA_BYTES": "0"}, {"NBDIST_SHM_CMA_BYTES": "1"},
+                                 {"NBDIST_SHM_CMA_BYTES": "0", "NBDIST_SHM_CMA_ALLGATHER_BYTES": "1"}],
+                         ids=["through-slots", "single-copy", "single-copy-allgather-only"])
+def test_allgather_and_broadcast_with_and_without_single_copy(monkeypatch, env):
+    """NBDIST_SHM_CMA_BYTES (and _ALLGATHER_BYTES): peers' buffers read directly
+    (process_vm_readv) or through the slots."""
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
     t = ShmTransport(COMM, RANK, timeout_s=60, slot_bytes=64 * 1024)
     try:
         for scale in (1, 3, 50_001):

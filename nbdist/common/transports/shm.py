@@ -86,11 +86,18 @@ class ShmTransport(Transport):
         yields = _env_int("NBDIST_SHM_YIELDS", 50 if oversubscribed else 200)
         self._native.set_tuning(spin, yields, _env_int("NBDIST_SHM_SMALL_BYTES", 64 * 1024),
                                 _env_int("NBDIST_SHM_STREAM_BYTES", 0))
-        # Below ~32 MiB moved, two copies through the (cache-warm) slots beat one
-        # process_vm_readv, whose page pinning costs more than it saves (docs/native.md).
-        cma_bytes = _env_int("NBDIST_SHM_CMA_BYTES", 32 * 1024 * 1024)
-        if single_copy and cma_bytes and self._cma_works():
-            self._native.set_cma_bytes(cma_bytes)
+        # Single copy (process_vm_readv) or two through the cache-warm slots, measured side
+        # by side (docs/native.md). A broadcast's two copies run at once on root and peers,
+        # and beat CMA's page pinning below tens of MiB. An allgather through the slots
+        # hands every chunk over between ranks; at one rank per core CMA is ahead from
+        # 2 MiB moved (2-4x when the host's scheduling makes those hand-overs slow); ranks
+        # that share cores only gain from 16 MiB. NBDIST_SHM_CMA_BYTES alone sets both.
+        cma_given = _env_int("NBDIST_SHM_CMA_BYTES", -1)
+        cma_bytes = cma_given if cma_given >= 0 else 32 * MiB
+        cma_gather = _env_int("NBDIST_SHM_CMA_ALLGATHER_BYTES",
+                              cma_given if cma_given >= 0 else (16 if oversubscribed else 2) * MiB)
+        if single_copy and (cma_bytes or cma_gather) and self._cma_works():
+            self._native.set_cma_bytes(cma_bytes, cma_gather)
 
     def _cma_works(self) -> bool:
         """Whether every rank can read its neighbour's memory (process_vm_readv); collective.
