@@ -478,12 +478,22 @@ void ShmComm::read_peer(int q, char* dst, uintptr_t src, size_t len, WaitContext
 void ShmComm::allgatherv_cma(const char* send, char* recv, const std::vector<int64_t>& byte_counts,
                              WaitContext& ctx) {
   const std::vector<size_t> displ = prefix(byte_counts);
+  const size_t mine = static_cast<size_t>(byte_counts[rank_]);
+  char* const own = recv + displ[rank_];
+  // The peers read `send` while this rank writes `recv`: a part that lies in `recv` but
+  // not at its own place (no API path passes one) is read from a copy instead.
+  std::vector<char> copy;
+  const size_t total = displ[n_ - 1] + static_cast<size_t>(byte_counts[n_ - 1]);
+  if (send != own && send < recv + total && recv < send + mine) {
+    copy.assign(send, send + mine);
+    send = copy.data();
+  }
   wait_all(scratch_free_, ctx);  // every rank has read my previous scratch value
   hdr_->ranks[rank_].scratch.store(static_cast<int64_t>(reinterpret_cast<uintptr_t>(send)),
                                    std::memory_order_relaxed);
   uint64_t shared = next_phase();
   post(shared);  // seq_cst: publishes the address too
-  const size_t mine = static_cast<size_t>(byte_counts[rank_]);
+  if (mine && send != own) std::memcpy(own, send, mine);  // while the peers publish theirs
   wait_all(shared, ctx);
   for (int k = 1; k < n_; ++k) {  // start at a different peer on each rank
     int q = (rank_ + k) % n_;
@@ -492,7 +502,6 @@ void ShmComm::allgatherv_cma(const char* send, char* recv, const std::vector<int
       read_peer(q, recv + displ[q],
                 static_cast<uintptr_t>(hdr_->ranks[q].scratch.load(std::memory_order_relaxed)), len, ctx);
   }
-  if (mine) std::memmove(recv + displ[rank_], send, mine);  // peers read `send`, not this
   uint64_t done = next_phase();
   post(done);
   wait_all(done, ctx);

@@ -37,6 +37,22 @@ def shm():
 
 
 @pytest.fixture(scope="module")
+def shm_single_copy():
+    """Every allgather and broadcast single-copy (process_vm_readv), where that works here."""
+    saved = os.environ.get("NBDIST_SHM_CMA_BYTES")
+    os.environ["NBDIST_SHM_CMA_BYTES"] = "1"
+    try:
+        t = ShmTransport(COMM, RANK, timeout_s=60)
+    finally:
+        if saved is None:
+            del os.environ["NBDIST_SHM_CMA_BYTES"]
+        else:
+            os.environ["NBDIST_SHM_CMA_BYTES"] = saved
+    yield t
+    t.close()
+
+
+@pytest.fixture(scope="module")
 def shm_default():
     t = ShmTransport(COMM, RANK, timeout_s=60)
     yield t
@@ -189,10 +205,14 @@ def test_allgatherv_uneven(shm, scale):
     same(recv, np.concatenate(parts))
 
 
+@pytest.mark.parametrize("single_copy", [False, True], ids=["through-slots", "single-copy"])
 @pytest.mark.parametrize("shift", [0, 1, -3])
-def test_allgatherv_from_inside_the_receive_buffer(shm, shift):
+def test_allgatherv_from_inside_the_receive_buffer(shm, shm_single_copy, shift, single_copy):
     # This rank's part already where it goes (shift 0: in place), or overlapping that
-    # place: it must land whole, as from a separate buffer, across several chunks.
+    # place: it must land whole, as from a separate buffer, across several chunks (or
+    # read by the peers from where it was, single-copy).
+    if single_copy:
+        shm = shm_single_copy
     count = 3 * 64 * 1024 // 8 + 11
     want = np.concatenate([np.arange(count, dtype=np.float64) + 1000 * r for r in range(SIZE)])
     recv = np.zeros(SIZE * count + 8, np.float64)
