@@ -77,9 +77,9 @@ def to_numpy(value) -> np.ndarray:
 
 try:  # (private: the eager tensor constructor that tf.convert_to_tensor ends in)
     from tensorflow.python.eager import context as _context
-    from tensorflow.python.framework.ops import EagerTensor as _EagerTensor
+    from tensorflow.python.framework.ops import EagerTensor as EagerTensor
 except ImportError:  # pragma: no cover - moved in a later TensorFlow
-    _EagerTensor = None
+    EagerTensor = None
 
 
 def eager_result(array, dtype: tf.DType) -> tf.Tensor:
@@ -89,15 +89,23 @@ def eager_result(array, dtype: tf.DType) -> tf.Tensor:
     and looks up its conversion function: about half of a small eager collective's time.
     A collective's result is a fresh array no one else holds, so the tensor may take it
     as it is (TensorFlow shares an aligned buffer, copies otherwise)."""
-    array = np.asarray(array, dtype=dtype.as_numpy_dtype)
-    if _EagerTensor is None or not array.flags.c_contiguous:
+    np_dtype, enum = _dtype_codes(dtype)
+    if array.__class__ is not np.ndarray or array.dtype is not np_dtype:
+        array = np.asarray(array, dtype=np_dtype)
+    if EagerTensor is None or not array.flags.c_contiguous:
         return tf.convert_to_tensor(array)
     ctx = _context.context()
     ctx.ensure_initialized()
     device = ctx.device_name  # '' outside a tf.device scope: TF's default placement
     if not device and not _default_places_on_accelerator():
         device = None  # the host, as '' would place it, without the placing op (~9 µs)
-    return _EagerTensor(array, device, dtype.as_datatype_enum)
+    return EagerTensor(array, device, enum)
+
+
+@functools.cache  # (DType's properties cost about 0.4 µs each: a small op's tenth)
+def _dtype_codes(dtype: tf.DType) -> tuple[np.dtype, int]:
+    """`dtype`'s numpy dtype and TF enum."""
+    return np.dtype(dtype.as_numpy_dtype), dtype.as_datatype_enum
 
 
 @functools.cache  # (TF's devices are fixed once it is initialised)
@@ -203,6 +211,25 @@ def _wait_for(handle) -> list | tuple[int, str]:
         return _error_code(exc), message
 
 
+def eager_step(now: Callable[[np.ndarray], np.ndarray], tensor: tf.Tensor) -> tf.Tensor:
+    """run()'s eager case for one eager tensor whose result has its dtype, with nothing
+    else to decide: now(array) on its value, the result as an eager tensor. A small eager
+    collective (a loss, a metric) spends most of its time in TensorFlow and this glue."""
+    try:
+        result = now(to_numpy(tensor))
+    except _CONVERTED as exc:
+        _raise_as_tf(exc)
+    return eager_result(result, tensor.dtype)
+
+
+def _raise_as_tf(exc: Exception):
+    """Raise `exc`, one of nbdist's errors, as the TF error type Horovod's op raises."""
+    converted = tf_error(exc)
+    if converted is exc:
+        raise exc
+    raise converted from None
+
+
 def run(submit: Submit, inputs: Sequence, out_dtypes: Sequence[tf.DType],
         out_shapes: Sequence, what: str, now: Callable[..., list] | None = None) -> list:
     """Run one collective step on `inputs`; returns tensors of `out_dtypes` / `out_shapes`.
@@ -220,10 +247,7 @@ def run(submit: Submit, inputs: Sequence, out_dtypes: Sequence[tf.DType],
             results = (now(arrays[0]) if now is not None and len(arrays) == 1
                        else submit(*arrays)())
         except _CONVERTED as exc:
-            converted = tf_error(exc)
-            if converted is exc:
-                raise
-            raise converted from None
+            _raise_as_tf(exc)
         return [eager_result(r, d) for r, d in zip(results, out_dtypes)]
     if in_xla_context():
         raise RuntimeError(

@@ -11,6 +11,8 @@ tf.custom_gradient with Horovod's gradient rules:
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import tensorflow as tf
 
@@ -186,6 +188,12 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="",
     if isinstance(tensor, tf.IndexedSlices):
         return _allreduce_sparse(tensor, op, prescale_factor, postscale_factor,
                                  _naming.default_name("Allgather", tensor.values, name), ps)
+    if tensor.__class__ is _bridge.EagerTensor and compression is Compression.none and \
+            not _bridge.may_record():  # eager, no tape: the step alone, no graph glue
+        return _bridge.eager_step(functools.partial(
+            _c.allreduce, op=op, name=None if name is None else _naming.clean(name),
+            prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+            process_set=ps), tensor)
     if not isinstance(tensor, tf.Tensor):  # (an eager tensor as it is: the common case)
         tensor = tf.convert_to_tensor(tensor)
     compressed, ctx = compression.compress(tensor)
