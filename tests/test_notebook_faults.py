@@ -123,7 +123,11 @@ def test_rank_death_is_reported_and_cluster_restarted(executed):
     assert err is not None
     ename, evalue, tb = err
     assert ename == "RankDied"
-    assert "rank 1 died (exit status 1)" in evalue
+    # The status comes from mpiexec's report or from the death watch reading the zombie;
+    # on a loaded machine hydra may report late and reap first (then only the rank is
+    # known, by the kernel's order of events: nbdist.mpi.deaths).
+    assert ("rank 1 died (exit status 1)" in evalue
+            or "rank 1 died (exit status not reported in time)" in evalue), evalue
     assert "restarted" in tb and "names defined in earlier" in tb
     assert "restarted" in h.text_of(_cell(nb, 4))
 

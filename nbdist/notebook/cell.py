@@ -350,15 +350,19 @@ def _death_report(cluster, ranks: list[int], errors) -> FailureReport:
     # hydra's report still tells how the others ended; with the cause known, wait less for it
     statuses = cluster.exit_statuses(
         wait_s=REMOTE_DEATH_WAIT_S if remote else SEEN_DEATH_WAIT_S if seen else DEATH_WAIT_S)
-    if len(statuses) < len(seen) or not statuses:
-        statuses = {**statuses, **seen}
     # The watch names the rank that went first, by the kernel's order of events (see
     # nbdist.mpi.deaths); its thread may deliver after `seen` was read, so ask again here.
-    dead = blame(statuses, cluster.first_dead() or set(seen))
+    seen = seen or cluster.first_dead_statuses()
+    first = cluster.first_dead() or set(seen)
+    if len(statuses) < len(seen) or not statuses:
+        statuses = {**statuses, **seen}
+    dead = blame(statuses, first)
     if remote:  # names the host too; each host's death watch saw only its own first death
         who, dead = "; ".join(remote), {}
     elif dead:
         who = died_headline({r: decode_wait_status(s) for r, s in dead.items()})
+    elif first:  # the watch saw who went first, but not how (reaped before it looked)
+        who = died_headline({r: "exit status not reported in time" for r in first})
     else:
         # mpiexec did not report in time: every engine is gone, but which one went first is unknown
         who = "a rank died and MPI stopped the others (mpiexec reported no exit statuses in time)"
@@ -366,10 +370,11 @@ def _death_report(cluster, ranks: list[int], errors) -> FailureReport:
     fatal = _fatal_error_excerpt(cluster.engine_output())
     if fatal:
         notes.append("engine log:\n" + fatal)
-    others = [r for r in ranks if r not in dead]
-    if others and dead:
+    culprits = set() if remote else set(dead) or first
+    others = [r for r in ranks if r not in culprits]
+    if others and culprits:
         notes.append(f"MPI stopped the other rank{'s' if len(others) != 1 else ''} ({display.rank_ranges(others)}) "
-                     f"when rank {min(dead)} died")
+                     f"when rank {min(culprits)} died")
     try:
         _restart(cluster)
         notes.append(f"the cluster was restarted with {cluster.n} fresh ranks: names defined in earlier "
