@@ -49,7 +49,12 @@ opt.step()
 w = thvd.allgather(model.weight.detach().reshape(1, -1)).numpy()
 print("torch-{i}", bool(np.allclose(w, w[0])), w.shape[0])"""
 
-# fault -> (cell, notebook-side metadata, error name, text the error must contain)
+# A death's status comes from mpiexec's report or the death watch's read of the zombie; on
+# a loaded machine hydra may report late and reap first: then only the rank is named.
+UNREPORTED = "rank 1 died (exit status not reported in time)"
+
+# fault -> (cell, notebook-side metadata, error name, text the error must contain, or
+# a tuple of texts one of which it must)
 FAULTS = {
     "raise": ("""%%distributed
 {prelude}if r == 1:
@@ -59,11 +64,11 @@ hvd.allreduce(np.ones(4), name="raise-{i}")""", {}, "DistributedError", "rank 1 
     "exit": ("""%%distributed
 {prelude}if r == 1:
     os._exit(1)
-time.sleep(30)""", {}, "RankDied", "rank 1 died (exit status 1)"),
+time.sleep(30)""", {}, "RankDied", ("rank 1 died (exit status 1)", UNREPORTED)),
     "sigkill": ("""%%distributed
 {prelude}if r == 1:
     os.kill(os.getpid(), signal.SIGKILL)
-time.sleep(30)""", {}, "RankDied", "rank 1 died (killed by signal 9"),
+time.sleep(30)""", {}, "RankDied", ("rank 1 died (killed by signal 9", UNREPORTED)),
     "mismatch": ("""%%distributed
 {prelude}shape, dtype = ((3,), np.float32) if r != 1 else (({i} % 2 + 3,), np.float32 if {i} % 2 else np.float64)
 hvd.allreduce(np.ones(shape, dtype), name="mismatch-{i}")""", {}, "DistributedError", "MismatchError"),
@@ -157,7 +162,8 @@ def test_fault_soak(n):
                 problems.append(f"cell {idx} ({kind}) after {steps[i - 1][0] if i else '-'}: {text[-800:]}")
         else:
             _, _, ename, must = FAULTS[kind]
-            if err is None or err[0] != ename or must not in err[1] + err[2]:
+            musts = must if isinstance(must, tuple) else (must,)
+            if err is None or err[0] != ename or not any(m in err[1] + err[2] for m in musts):
                 problems.append(f"cell {idx} ({kind}): expected {ename} with {must!r}, got: {text[-800:]}")
             times.setdefault(kind, []).append(wall_time(cell))
 
