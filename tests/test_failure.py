@@ -110,3 +110,24 @@ def test_death_watch_names_the_first_dead_process_and_its_status():
         second.kill()
         for p in (first, second):
             p.wait()
+
+
+def test_fatal_error_excerpt_survives_another_ranks_log_record_inside_it():
+    """The ranks share mpiexec's output, and faulthandler writes its report in pieces: in
+    one CI run another engine's log record landed between 'Fatal Python error: ' and
+    'Segmentation fault'. The excerpt is faulthandler's report without it."""
+    from nbdist.notebook.cell import _fatal_error_excerpt
+
+    log = ("engine started\n"
+           "Fatal Python error: 2026-12-06 22:53:02.240 [IPEngine.0.0] Handling execute_request: "
+           "35cac5dd-69a2861e7a74bd93fd0f5615_16782_15\n"
+           "Segmentation fault\n\n"
+           "Current thread 0x00007f0000000001 (most recent call first):\n"
+           "2026-12-06 22:53:02.241 [IPEngine.0.0] another record\n"
+           '  File "<cell>", line 3 in read_null_pointer\n'
+           "\nsomething else\n")
+    excerpt = _fatal_error_excerpt(log)
+    assert excerpt.startswith("Fatal Python error: Segmentation fault\n"), excerpt
+    assert "read_null_pointer" in excerpt and "IPEngine" not in excerpt, excerpt
+    assert "something else" not in excerpt
+    assert _fatal_error_excerpt("no crash here\n") == ""

@@ -388,13 +388,19 @@ _FAULTHANDLER_LINE = re.compile(r"^(Fatal Python error|Current thread|Thread 0x|
                                 r"  <no Python frame>|  Garbage-collecting|Python runtime state|\s*$)")
 
 
+# An engine's own log record, e.g. "2026-12-06 22:53:02.240 [IPEngine.0.0] Handling ...". The
+# ranks share mpiexec's output, and faulthandler writes its report in several pieces: another
+# rank's record can land inside it, even mid-line ("Fatal Python error: 2026-12-06 ...").
+_ENGINE_LOG_RECORD = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+ \[IPEngine[^\]\n]*\][^\n]*\n")
+
+
 def _fatal_error_excerpt(log: str) -> str:
     """faulthandler's 'Fatal Python error' block from the engine log, if a rank crashed in Python."""
     idx = log.find("Fatal Python error")
     if idx < 0:
         return ""
     lines = []
-    for line in log[idx:].splitlines()[:60]:
+    for line in _ENGINE_LOG_RECORD.sub("", log[idx:]).splitlines()[:60]:
         # faulthandler's report: the error, then each thread's frames (blank lines between)
         if not _FAULTHANDLER_LINE.match(line):
             break
