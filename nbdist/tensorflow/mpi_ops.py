@@ -191,7 +191,7 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="",
     if tensor.__class__ is _bridge.EagerTensor and compression is Compression.none and \
             not _bridge.may_record():  # eager, no tape: the step alone, no graph glue
         return _bridge.eager_step(functools.partial(
-            _c.allreduce, op=op, name=None if name is None else _naming.clean(name),
+            _c.allreduce, op=op, name=_naming.default_name("Allreduce", tensor, name),
             prescale_factor=prescale_factor, postscale_factor=postscale_factor,
             process_set=ps), tensor)
     if not isinstance(tensor, tf.Tensor):  # (an eager tensor as it is: the common case)
