@@ -309,7 +309,9 @@ class ExpressTable {
     }
     // Python finishes the op under the lock, with Ctrl-C held until it is done.
     if (main) gate_.attr(depth_key_) = gate_.attr(depth_key_).cast<int>() + 1;
-    return py::make_tuple(voted.is_none() ? py::none() : voted, out, error, py::bool_(main));
+    // (`voted` is a null handle when the call threw: make_tuple cannot cast one, and its
+    // cast error would replace the real one and leave the lock held)
+    return py::make_tuple(voted ? voted : py::none(), out, error, py::bool_(main));
   }
 
   static size_t elements(PyObject* array) {

@@ -464,9 +464,15 @@ void ShmComm::read_peer(int q, char* dst, uintptr_t src, size_t len, WaitContext
     ssize_t got = process_vm_readv(hdr_->ranks[q].pid, &local, 1, &remote, 1, 0);
     if (got < 0 && errno == EINTR) continue;
     if (got <= 0) {
-      abort("rank " + std::to_string(global_rank_) + " could not read rank " +
-            std::to_string(hdr_->ranks[q].global_rank) + "'s buffer (process_vm_readv: " +
-            std::strerror(errno) + "); NBDIST_SHM_CMA_BYTES=0 turns single-copy transfers off");
+      // A peer that died mid-op is the cause to name (ESRCH), as the waits name it; any
+      // other failure (EPERM: ptrace rules) is about single-copy transfers themselves.
+      const int err = errno;
+      std::string died = death_of(q, ctx);
+      abort(!died.empty() ? died
+                          : "rank " + std::to_string(global_rank_) + " could not read rank " +
+                                std::to_string(hdr_->ranks[q].global_rank) +
+                                "'s buffer (process_vm_readv: " + std::strerror(err) +
+                                "); NBDIST_SHM_CMA_BYTES=0 turns single-copy transfers off");
       fail_aborted(ctx);
     }
     dst += got;

@@ -129,6 +129,13 @@ void ShmComm::reset_local() {
   std::fill(free_phase_.begin(), free_phase_.end(), 0);
 }
 
+std::string ShmComm::death_of(int r, const WaitContext& ctx) const {
+  const int pid = hdr_->ranks[r].pid;
+  if (!process_dead(pid)) return "";
+  return "rank " + std::to_string(hdr_->ranks[r].global_rank) + " (pid " + std::to_string(pid) +
+         ") died during shm " + ctx.what;
+}
+
 // The slow checks, done about every 100 ms while asleep: deadline, dead peers,
 // the caller's hook. Each failure aborts the segment too, so peers are released.
 void ShmComm::check_slow(int who, uint64_t phase, WaitContext& ctx, bool& stop) {
@@ -147,10 +154,7 @@ void ShmComm::check_slow(int who, uint64_t phase, WaitContext& ctx, bool& stop) 
   for (int r = 0; reason.empty() && r < n_; ++r) {
     if (r == rank_ || (who >= 0 && who != r)) continue;
     if (hdr_->ranks[r].seq.load(std::memory_order_acquire) >= phase) continue;
-    int pid = hdr_->ranks[r].pid;
-    if (process_dead(pid))
-      reason = "rank " + std::to_string(hdr_->ranks[r].global_rank) + " (pid " + std::to_string(pid) +
-               ") died during shm " + ctx.what;
+    reason = death_of(r, ctx);
   }
   if (reason.empty() && ctx.should_stop && ctx.should_stop(reason)) {
     reason = me + " gave up shm " + ctx.what + ": " + reason;

@@ -47,6 +47,7 @@ from .config import env_str
 from .execution import Executor
 from .negotiation import Coordinator
 from .requests import AutoName, Handle, Request, Response
+from .transport import TransportError
 
 TAG_TO_COORDINATOR = 11
 TAG_FROM_COORDINATOR = 12
@@ -471,23 +472,26 @@ class Engine:
 
     def _stopped_by_abort(self, reason: str) -> None:
         """The agreement segment was aborted (a peer died, shut down or gave up, or this
-        rank gave up): fail every op still in flight with its reason; the runtime stops."""
-        if self._broken:
-            return
-        self._broken = (f"nbdist runtime on rank {self.rank} stopped: {reason}; "
-                        "call shutdown() and init() again")
+        rank gave up): fail every op still in flight with its reason (the first reason the
+        runtime stopped for, if it had stopped already); the runtime stops."""
+        if not self._broken:
+            self._broken = (f"nbdist runtime on rank {self.rank} stopped: {reason}; "
+                            "call shutdown() and init() again")
         self._fail_all(errors.RuntimeBrokenError(self._broken))
 
     def _runtime_failed(self, exc: BaseException) -> None:
         """A cycle raised (a transport failure): fail every op; this runtime cannot go on."""
-        if self._broken:
-            return
         aborted = self.agreement.abort_reason() if self.agreement is not None else ""
-        if aborted:  # the cycle met the segment's abort: its reason is the cause, as above
+        # The cycle met the segment's abort: its reason is the cause, as above. Already
+        # broken: ops a failed unit handed back since fail with the same error.
+        if aborted or self._broken:
             self._stopped_by_abort(aborted)
             return
-        self._broken = (f"nbdist runtime on rank {self.rank} stopped after an internal "
-                        f"error: {type(exc).__name__}: {exc}; call shutdown() and init() again")
+        # A transport's own failure (a peer died mid-transfer) names its cause itself.
+        cause = (f": {exc}" if isinstance(exc, TransportError)
+                 else f" after an internal error: {type(exc).__name__}: {exc}")
+        self._broken = (f"nbdist runtime on rank {self.rank} stopped{cause}; "
+                        "call shutdown() and init() again")
         # In an elastic world a dead peer is an expected event: hvd.elastic.run rebuilds the
         # world and the driver reports the loss, so a warning on every survivor telling the
         # user to re-init would only mislead. Ops still fail with RuntimeBrokenError.

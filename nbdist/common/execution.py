@@ -206,10 +206,14 @@ class Executor:
                     reqs[0].handle.set_result(first.last_joined)
             else:  # pragma: no cover - the coordinator only sends known kinds
                 raise ValueError(f"unknown op kind {first.kind!r}")
-        except BaseException as exc:
+        except BaseException:
+            # A failure here (a peer died mid-transfer) breaks the runtime: every caller of
+            # run_unit then fails all ops in flight with one RuntimeBrokenError naming the
+            # cause (Engine._runtime_failed), a HorovodInternalError that elastic retries.
+            # These ops go back among them, not failed here with the transport's own error.
             for req in reqs:
                 if req is not None:
-                    req.handle.set_error(exc)
+                    local[req.name] = req
             raise
         finally:
             if traced:

@@ -16,11 +16,15 @@ NBDIST_SIGKILL_PATH=api runs the user's path instead of the transport alone: a n
 4 KiB hvd.allreduce_ repeated, which the engine runs in the calling thread's one native
 call (the express table); the survivors must fail it naming the dead rank too.
 api-allgather and api-broadcast: the same with hvd.allgather and hvd.broadcast_.
+api-midop: the last rank dies *inside* a 16 MiB cached allgather (a timer thread kills it
+2 ms into its call, while the bytes move), so the survivors' one native call itself fails
+(a case that once came back as a pybind11 cast error, the real one lost, the lock held).
 """
 import faulthandler
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -54,6 +58,11 @@ record(f"pid.{RANK}", str(os.getpid()))
 _stack = open(OUT / f"stack.{RANK}", "w")
 faulthandler.register(signal.SIGUSR2, file=_stack, all_threads=True)
 
+def die() -> None:
+    record("killed", f"{time.monotonic():.6f}")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def transport_path():
     """The shm transport's allreduce of 4 MiB, its failure, its segments."""
     t = ShmTransport(COMM, RANK, timeout_s=30)
@@ -73,8 +82,9 @@ def api_path(kind: str):
 
     hvd.init()
     engine = hvd.basics.engine()
-    buf = np.ones(1024, np.float32)
+    buf = np.ones(4 << 20 if kind == "midop" else 1024, np.float32)
     calls = {
+        "midop": lambda: hvd.allgather(buf, name="sigkill.big"),
         "allreduce": lambda: hvd.allreduce_(buf, op=hvd.Sum, name="sigkill.x"),
         "allgather": lambda: hvd.allgather(buf, name="sigkill.g"),
         "broadcast": lambda: hvd.broadcast_(buf, 0, name="sigkill.b"),
@@ -103,8 +113,10 @@ try:
         record("mapped", "\n".join(sorted(segments_of([psutil.Process()]))))
     for i in range(1_000_000):
         if RANK == SIZE - 1 and i == 20:
-            record("killed", f"{time.monotonic():.6f}")
-            os.kill(os.getpid(), signal.SIGKILL)
+            if PATH == "api-midop":  # from a thread, while this rank is inside its op
+                threading.Timer(0.002, die).start()
+            else:
+                die()
         try:
             step()
         except failure as exc:
