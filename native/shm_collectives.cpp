@@ -464,10 +464,11 @@ void ShmComm::read_peer(int q, char* dst, uintptr_t src, size_t len, WaitContext
     ssize_t got = process_vm_readv(hdr_->ranks[q].pid, &local, 1, &remote, 1, 0);
     if (got < 0 && errno == EINTR) continue;
     if (got <= 0) {
-      // A peer that died mid-op is the cause to name (ESRCH), as the waits name it; any
+      // A peer that died mid-op is the cause to name, as the waits name it. ESRCH says so
+      // before /proc does: a SIGKILLed process loses its memory before it is a zombie. Any
       // other failure (EPERM: ptrace rules) is about single-copy transfers themselves.
       const int err = errno;
-      std::string died = death_of(q, ctx);
+      std::string died = death_of(q, ctx, err == ESRCH);
       abort(!died.empty() ? died
                           : "rank " + std::to_string(global_rank_) + " could not read rank " +
                                 std::to_string(hdr_->ranks[q].global_rank) +

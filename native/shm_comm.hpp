@@ -159,8 +159,9 @@ class ShmComm {
   void wait_for(int who, uint64_t phase, WaitContext& ctx);  // who < 0: all ranks
   [[noreturn]] void fail_aborted(const WaitContext& ctx);
   void check_slow(int who, uint64_t phase, WaitContext& ctx, bool& stop);
-  // "rank G (pid P) died during shm <op>" when local rank r's process is gone, else "".
-  std::string death_of(int r, const WaitContext& ctx) const;
+  // "rank G (pid P) died during shm <op>" when local rank r's process is gone (or is known
+  // to be: `gone`), else "".
+  std::string death_of(int r, const WaitContext& ctx, bool gone = false) const;
   int acquire_set(bool writer, WaitContext& ctx);
   void release_set(int set, uint64_t phase) { free_phase_[set] = phase; }
   void check_not_aborted(const WaitContext& ctx);

@@ -129,9 +129,9 @@ void ShmComm::reset_local() {
   std::fill(free_phase_.begin(), free_phase_.end(), 0);
 }
 
-std::string ShmComm::death_of(int r, const WaitContext& ctx) const {
+std::string ShmComm::death_of(int r, const WaitContext& ctx, bool gone) const {
   const int pid = hdr_->ranks[r].pid;
-  if (!process_dead(pid)) return "";
+  if (!gone && !process_dead(pid)) return "";
   return "rank " + std::to_string(hdr_->ranks[r].global_rank) + " (pid " + std::to_string(pid) +
          ") died during shm " + ctx.what;
 }

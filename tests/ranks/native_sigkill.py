@@ -16,9 +16,10 @@ NBDIST_SIGKILL_PATH=api runs the user's path instead of the transport alone: a n
 4 KiB hvd.allreduce_ repeated, which the engine runs in the calling thread's one native
 call (the express table); the survivors must fail it naming the dead rank too.
 api-allgather and api-broadcast: the same with hvd.allgather and hvd.broadcast_.
-api-midop: the last rank dies *inside* a 16 MiB cached allgather (a timer thread kills it
-2 ms into its call, while the bytes move), so the survivors' one native call itself fails
-(a case that once came back as a pybind11 cast error, the real one lost, the lock held).
+A "-midop" suffix (api-allgather-midop, ...): the last rank dies *inside* a 16 MiB op (a
+timer thread kills it 2 ms into its call, while the bytes move), so the survivors' one
+native call itself fails (a case that once came back as a pybind11 cast error, the real
+one lost, the agreement's lock held).
 """
 import faulthandler
 import os
@@ -75,16 +76,15 @@ def transport_path():
     return step, TransportError, [t._native.name]
 
 
-def api_path(kind: str):
+def api_path(kind: str, midop: bool):
     """The user's path: a cached synchronous allreduce, allgather or broadcast (the express
     table)."""
     import nbdist.common as hvd
 
     hvd.init()
     engine = hvd.basics.engine()
-    buf = np.ones(4 << 20 if kind == "midop" else 1024, np.float32)
+    buf = np.ones(4 << 20 if midop else 1024, np.float32)
     calls = {
-        "midop": lambda: hvd.allgather(buf, name="sigkill.big"),
         "allreduce": lambda: hvd.allreduce_(buf, op=hvd.Sum, name="sigkill.x"),
         "allgather": lambda: hvd.allgather(buf, name="sigkill.g"),
         "broadcast": lambda: hvd.broadcast_(buf, 0, name="sigkill.b"),
@@ -102,8 +102,10 @@ def api_path(kind: str):
 
 try:
     PATH = os.environ.get("NBDIST_SIGKILL_PATH", "transport")
+    MIDOP = PATH.endswith("-midop")
+    KIND = PATH.removesuffix("-midop").partition("-")[2] or "allreduce"
     step, failure, segments = (transport_path() if PATH == "transport"
-                               else api_path(PATH.partition("-")[2] or "allreduce"))
+                               else api_path(KIND, MIDOP))
     if RANK == 0:
         record("segment", "\n".join(segments))
     COMM.Barrier()
@@ -113,7 +115,7 @@ try:
         record("mapped", "\n".join(sorted(segments_of([psutil.Process()]))))
     for i in range(1_000_000):
         if RANK == SIZE - 1 and i == 20:
-            if PATH == "api-midop":  # from a thread, while this rank is inside its op
+            if MIDOP:  # from a thread, while this rank is inside its op
                 threading.Timer(0.002, die).start()
             else:
                 die()
