@@ -83,7 +83,7 @@ def test_hierarchical_with_pretend_nodes(n, local_size):
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("path", ["transport", "api", "api-allgather", "api-broadcast",
                                   "api-allreduce-midop", "api-allgather-midop",
-                                  "api-broadcast-midop"])
+                                  "api-broadcast-midop", "api-fused-midop"])
 @pytest.mark.parametrize("n", RANKS)
 def test_sigkill_releases_peers_and_leaves_no_segment(n, path, tmp_path):
     script = ROOT / "tests" / "ranks" / "native_sigkill.py"

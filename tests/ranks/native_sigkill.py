@@ -15,7 +15,8 @@ stack dump on SIGUSR2, which the test sends to a rank that is still running).
 NBDIST_SIGKILL_PATH=api runs the user's path instead of the transport alone: a named
 4 KiB hvd.allreduce_ repeated, which the engine runs in the calling thread's one native
 call (the express table); the survivors must fail it naming the dead rank too.
-api-allgather and api-broadcast: the same with hvd.allgather and hvd.broadcast_.
+api-allgather and api-broadcast: the same with hvd.allgather and hvd.broadcast_; api-fused:
+four allreduce_async_ then synchronize (one fused unit through the engine's cycle).
 A "-midop" suffix (api-allgather-midop, ...): the last rank dies *inside* a 16 MiB op (a
 timer thread kills it 2 ms into its call, while the bytes move), so the survivors' one
 native call itself fails (a case that once came back as a pybind11 cast error, the real
@@ -78,13 +79,22 @@ def transport_path():
 
 def api_path(kind: str, midop: bool):
     """The user's path: a cached synchronous allreduce, allgather or broadcast (the express
-    table)."""
+    table), or four async allreduces (fused)."""
     import nbdist.common as hvd
 
     hvd.init()
     engine = hvd.basics.engine()
     buf = np.ones(4 << 20 if midop else 1024, np.float32)
+    parts = np.split(buf, 4)
+
+    def fused():  # async ops, one fused unit run by the engine's cycle and executor
+        handles = [hvd.allreduce_async_(p, op=hvd.Sum, name=f"sigkill.f{i}")
+                   for i, p in enumerate(parts)]
+        for h in handles:
+            hvd.synchronize(h)
+
     calls = {
+        "fused": fused,
         "allreduce": lambda: hvd.allreduce_(buf, op=hvd.Sum, name="sigkill.x"),
         "allgather": lambda: hvd.allgather(buf, name="sigkill.g"),
         "broadcast": lambda: hvd.broadcast_(buf, 0, name="sigkill.b"),
