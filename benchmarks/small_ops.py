@@ -17,6 +17,11 @@ called directly (docs/common-api.md, "Where the microseconds go"): the user call
 `express_allreduce`, the native `express_allreduce` (vote and bytes in one call) and
 the native allreduce alone (`allreduce_into`, no vote). The difference between two
 rows is what that layer costs.
+
+With `--tf-layers`, the same for TensorFlow's eager `hvd.allreduce(x, name=...)`
+(Average, as Horovod's default): the numpy allreduce of an array, of the tensor's own
+buffer (`EagerTensor._numpy`), that plus the result tensor (`_bridge.eager_result`), and
+the whole call (docs/tensorflow.md).
 """
 from __future__ import annotations
 
@@ -34,6 +39,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--layers", action="store_true",
                    help="the express path of one cached allreduce_, layer by layer")
+    p.add_argument("--tf-layers", action="store_true",
+                   help="TensorFlow's eager allreduce, layer by layer")
     args = p.parse_args(argv)
 
     import nbdist.common as nb
@@ -50,6 +57,8 @@ def main(argv=None) -> int:
         if not _layer_cases(nb, a, cases, locked):
             nb.shutdown()
             return 1
+    elif args.tf_layers:
+        _tf_layer_cases(nb, a, cases)
     else:
         _api_cases(nb, a, cases)
         _other_cases(nb, comm, a, cases, bases)
@@ -136,6 +145,24 @@ def _other_cases(nb, comm, a: np.ndarray, cases: dict, bases: dict) -> None:
     for base, ours in mine.items():
         cases.update(ours)
         bases.update(dict.fromkeys(ours, base), **{base: base})
+
+
+def _tf_layer_cases(nb, a: np.ndarray, cases: dict) -> None:
+    """TensorFlow's eager allreduce of one small tensor, layer by layer (--tf-layers)."""
+    import tensorflow as tf
+
+    import nbdist.tensorflow as tfh
+    from nbdist.tensorflow import _bridge
+
+    x = tf.constant(a)
+    avg = nb.Average
+    cases.update({
+        "numpy allreduce Average": lambda: nb.allreduce(a, op=avg, name="tfl.np"),
+        "  of the tensor's _numpy()": lambda: nb.allreduce(x._numpy(), op=avg, name="tfl.view"),
+        "  + eager_result": lambda: _bridge.eager_result(
+            nb.allreduce(x._numpy(), op=avg, name="tfl.result"), tf.float32),
+        "tf eager allreduce named": lambda: tfh.allreduce(x, name="tfl.tf"),
+    })
 
 
 def _layer_cases(nb, a: np.ndarray, cases: dict, locked: set) -> bool:

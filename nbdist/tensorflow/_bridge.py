@@ -211,12 +211,13 @@ def _wait_for(handle) -> list | tuple[int, str]:
         return _error_code(exc), message
 
 
-def eager_step(now: Callable[[np.ndarray], np.ndarray], tensor: tf.Tensor) -> tf.Tensor:
-    """run()'s eager case for one eager tensor whose result has its dtype, with nothing
-    else to decide: now(array) on its value, the result as an eager tensor. A small eager
-    collective (a loss, a metric) spends most of its time in TensorFlow and this glue."""
+def eager_step(now: Callable[..., np.ndarray], tensor: tf.Tensor, **kwargs) -> tf.Tensor:
+    """run()'s eager case for one EagerTensor whose result has its dtype, with nothing
+    else to decide: now(array, **kwargs) on its value, the result as an eager tensor. A
+    small eager collective (a loss, a metric) spends most of its time in TensorFlow and
+    this glue (hence no functools.partial, and the tensor's own _numpy(): to_numpy's)."""
     try:
-        result = now(to_numpy(tensor))
+        result = now(tensor._numpy(), **kwargs)
     except _CONVERTED as exc:
         _raise_as_tf(exc)
     return eager_result(result, tensor.dtype)

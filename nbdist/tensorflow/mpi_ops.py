@@ -11,7 +11,6 @@ tf.custom_gradient with Horovod's gradient rules:
 """
 from __future__ import annotations
 
-import functools
 
 import numpy as np
 import tensorflow as tf
@@ -185,15 +184,15 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="",
     """Reduce a tensor (or tf.IndexedSlices) over all ranks; Average by default."""
     op = _ops.resolve_op(op, "allreduce", average=average)
     ps = check_process_set(process_set, "allreduce")
+    if tensor.__class__ is _bridge.EagerTensor and compression is Compression.none and \
+            not _bridge.may_record():  # eager, no tape: the step alone, no graph glue
+        return _bridge.eager_step(
+            _c.allreduce, tensor, op=op, name=_naming.default_name("Allreduce", tensor, name),
+            prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+            process_set=ps)
     if isinstance(tensor, tf.IndexedSlices):
         return _allreduce_sparse(tensor, op, prescale_factor, postscale_factor,
                                  _naming.default_name("Allgather", tensor.values, name), ps)
-    if tensor.__class__ is _bridge.EagerTensor and compression is Compression.none and \
-            not _bridge.may_record():  # eager, no tape: the step alone, no graph glue
-        return _bridge.eager_step(functools.partial(
-            _c.allreduce, op=op, name=_naming.default_name("Allreduce", tensor, name),
-            prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-            process_set=ps), tensor)
     if not isinstance(tensor, tf.Tensor):  # (an eager tensor as it is: the common case)
         tensor = tf.convert_to_tensor(tensor)
     compressed, ctx = compression.compress(tensor)
