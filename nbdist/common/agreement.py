@@ -535,6 +535,10 @@ class ShmAgreement:
         except RuntimeError:  # (ShmError: closed)
             return ""
 
+    def abort(self, reason: str) -> None:
+        """Fail every peer's wait on this segment with `reason` (this rank's runtime stopped)."""
+        self.seg.abort(reason)
+
     def close(self, reason: str) -> None:
         """Release peers that wait in a cycle for this rank, then unmap the segment."""
         self.express_table.close()
