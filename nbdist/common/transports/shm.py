@@ -87,15 +87,18 @@ class ShmTransport(Transport):
         self._native.set_tuning(spin, yields, _env_int("NBDIST_SHM_SMALL_BYTES", 64 * 1024),
                                 _env_int("NBDIST_SHM_STREAM_BYTES", 0))
         # Single copy (process_vm_readv) or two through the cache-warm slots, measured side
-        # by side (docs/native.md). A broadcast's two copies run at once on root and peers,
-        # and beat CMA's page pinning below tens of MiB. An allgather through the slots
-        # hands every chunk over between ranks; at one rank per core CMA is ahead from
-        # 2 MiB moved (2-4x when the host's scheduling makes those hand-overs slow); ranks
-        # that share cores only gain from 16 MiB. NBDIST_SHM_CMA_BYTES alone sets both.
+        # by side on the path users call, where every op follows its agreement vote
+        # (benchmarks/cma_threshold.py, docs/native.md): at one rank per core single copy
+        # is ahead from 16 KiB (allgather: moved in all) up, 1.3-2.2x; where ranks share
+        # cores, from about 1 MiB (broadcast) and 4 MiB moved (allgather). A loop of raw
+        # transport calls favours the slots (a slot broadcast's root runs into the next
+        # call while the peers still read), which is not how the engine calls them.
+        # NBDIST_SHM_CMA_BYTES alone sets both.
         cma_given = _env_int("NBDIST_SHM_CMA_BYTES", -1)
-        cma_bytes = cma_given if cma_given >= 0 else 32 * MiB
+        cma_bytes = cma_given if cma_given >= 0 else (MiB if oversubscribed else 16 * 1024)
         cma_gather = _env_int("NBDIST_SHM_CMA_ALLGATHER_BYTES",
-                              cma_given if cma_given >= 0 else (16 if oversubscribed else 2) * MiB)
+                              cma_given if cma_given >= 0
+                              else (4 * MiB if oversubscribed else 16 * 1024))
         if single_copy and (cma_bytes or cma_gather) and self._cma_works():
             self._native.set_cma_bytes(cma_bytes, cma_gather)
 
