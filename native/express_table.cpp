@@ -217,18 +217,23 @@ class ExpressTable {
     if (root_given != plan->root || !ready(name)) return py::none();
     const size_t nbytes = elements(array) * plan->itemsize;
     py::object out = py::reinterpret_borrow<py::object>(array);
-    if (!inplace) {  // a new array (holding the input on the root, which sends it)
+    // Out of place, a new array; the root sends its input and copies it into that array
+    // while the peers read (a single-copy broadcast's root would otherwise copy first).
+    const void* send = nullptr;
+    if (!inplace) {
       out = output_like(array, nbytes);
-      if (plan->own)
-        std::memcpy(py::detail::array_proxy(out.ptr())->data,
-                    py::detail::array_proxy(array)->data, nbytes);
+      if (plan->own) send = py::detail::array_proxy(array)->data;
     }
     const int root = static_cast<int>(plan->root);
-    return run(kBroadcast, *plan, name, out, [&](int64_t cid, int64_t nbits, PyShm& data) {
+    py::object done = run(kBroadcast, *plan, name, out, [&](int64_t cid, int64_t nbits, PyShm& data) {
       return express_broadcast(*control_shm_, cid, nbits, wait_s_, data,
                                py::reinterpret_borrow<py::array>(out.ptr()), nbytes, root,
-                               timeout_s_, stop_);
+                               timeout_s_, stop_, send);
     });
+    // Not run here: Python finishes it from `out` (Request.out), which must hold the input.
+    if (send != nullptr && done.ptr() != out.ptr())
+      std::memcpy(py::detail::array_proxy(out.ptr())->data, send, nbytes);
+    return done;
   }
 
  private:

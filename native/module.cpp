@@ -140,10 +140,11 @@ py::object agree_allgather(PyShm& s, int64_t bit, int64_t nbits, PyShm& data, co
 }
 
 py::object agree_broadcast(PyShm& s, int64_t bit, int64_t nbits, PyShm& data, const py::array& buf,
-                           size_t nbytes, int root, double timeout_s, const StopHook& stop) {
+                           size_t nbytes, int root, double timeout_s, const StopHook& stop,
+                           const void* src) {
   return agree_then(s, bit, nbits, Packed{}, [&]() {
     data.run("broadcast", timeout_s, stop, [&, p = data_of(buf)](ShmComm& c, WaitContext& ctx) {
-      c.broadcast(p, nbytes, root, ctx);
+      c.broadcast(p, nbytes, root, ctx, src);
     });
   }, timeout_s, stop);
 }
@@ -349,7 +350,7 @@ void bind_shm(py::module_& m) {
            [](PyShm& s, int64_t bit, int64_t nbits, double wait_s, PyShm& data, const py::array& buf,
               size_t nbytes, int root, double timeout_s, py::object stop) {
              return nbdist::express_broadcast(s, bit, nbits, wait_s, data, buf, nbytes, root,
-                                              timeout_s, nbdist::make_stop_hook(stop));
+                                              timeout_s, nbdist::make_stop_hook(stop), nullptr);
            },
            py::arg("bit"), py::arg("nbits"), py::arg("wait_s"), py::arg("data"),
            py::arg("buf").noconvert(), py::arg("nbytes"), py::arg("root"),
@@ -431,9 +432,9 @@ py::object nbdist::express_allgather(PyShm& s, int64_t bit, int64_t nbits, doubl
 
 py::object nbdist::express_broadcast(PyShm& s, int64_t bit, int64_t nbits, double wait_s,
                                      PyShm& data, const py::array& buf, size_t nbytes, int root,
-                                     double timeout_s, const StopHook& stop) {
+                                     double timeout_s, const StopHook& stop, const void* src) {
   return express(s, wait_s, [&]() {
-    return agree_broadcast(s, bit, nbits, data, buf, nbytes, root, timeout_s, stop);
+    return agree_broadcast(s, bit, nbits, data, buf, nbytes, root, timeout_s, stop, src);
   });
 }
 

@@ -89,7 +89,7 @@ pybind11::object express_allgather(PyShm& s, int64_t bit, int64_t nbits, double 
                                    const StopHook& stop);
 pybind11::object express_broadcast(PyShm& s, int64_t bit, int64_t nbits, double wait_s, PyShm& data,
                                    const pybind11::array& buf, size_t nbytes, int root,
-                                   double timeout_s, const StopHook& stop);
+                                   double timeout_s, const StopHook& stop, const void* src);
 
 void bind_express(pybind11::module_& m);  // express_table.cpp
 

@@ -296,12 +296,18 @@ void ShmComm::reduce_chunked(const std::vector<Piece>& pieces, int dtype, int op
 
 // The root copies chunks into a whole slot set (n slots, contiguous); the others
 // copy them out. With several sets the root runs ahead by up to nsets-1 chunks.
-void ShmComm::broadcast(void* buf_, size_t bytes, int root, WaitContext& ctx) {
+void ShmComm::broadcast(void* buf_, size_t bytes, int root, WaitContext& ctx, const void* src_) {
   if (root < 0 || root >= n_) throw std::invalid_argument("shm broadcast: root out of range");
   check_not_aborted(ctx);
-  if (bytes == 0 || n_ == 1) return;
   char* buf = static_cast<char*>(buf_);
-  if (cma_bytes_ && bytes >= cma_bytes_) return broadcast_cma(buf, bytes, root, ctx);
+  const char* src = rank_ == root && src_ != buf_ ? static_cast<const char*>(src_) : nullptr;
+  if (bytes == 0 || n_ == 1) {
+    if (src) std::memcpy(buf, src, bytes);
+    return;
+  }
+  if (cma_bytes_ && bytes >= cma_bytes_) return broadcast_cma(buf, bytes, root, ctx, src);
+  // (the slots: the root's two copies run while the peers copy out anyway)
+  if (src) std::memcpy(buf, src, bytes);
   const size_t cap = slot_bytes_ * n_;
   for (size_t off = 0; off < bytes; off += cap) {
     const size_t c = std::min(cap, bytes - off);
@@ -515,13 +521,14 @@ void ShmComm::allgatherv_cma(const char* send, char* recv, const std::vector<int
   scratch_free_ = done;
 }
 
-void ShmComm::broadcast_cma(char* buf, size_t bytes, int root, WaitContext& ctx) {
+void ShmComm::broadcast_cma(char* buf, size_t bytes, int root, WaitContext& ctx, const char* src) {
   wait_all(scratch_free_, ctx);
   if (rank_ == root)
-    hdr_->ranks[rank_].scratch.store(static_cast<int64_t>(reinterpret_cast<uintptr_t>(buf)),
+    hdr_->ranks[rank_].scratch.store(static_cast<int64_t>(reinterpret_cast<uintptr_t>(src ? src : buf)),
                                      std::memory_order_relaxed);
   uint64_t shared = next_phase();
   post(shared);
+  if (src) std::memcpy(buf, src, bytes);  // the root's own result, while the peers read src
   if (rank_ != root) {
     wait_rank(root, shared, ctx);
     read_peer(root, buf, static_cast<uintptr_t>(hdr_->ranks[root].scratch.load(std::memory_order_relaxed)),

@@ -81,7 +81,9 @@ class ShmComm {
   };
   void allreduce_pieces(const std::vector<Piece>& pieces, int dtype, int op, WaitContext& ctx);
   void reduce(void* buf, size_t count, int dtype, int op, int root, WaitContext& ctx);
-  void broadcast(void* buf, size_t bytes, int root, WaitContext& ctx);
+  // `src` (the root's, else ignored): the root sends src and copies it into buf as well,
+  // while the peers read where the path allows (an out-of-place broadcast's result).
+  void broadcast(void* buf, size_t bytes, int root, WaitContext& ctx, const void* src = nullptr);
   void allgatherv(const void* send, void* recv, const std::vector<int64_t>& byte_counts,
                   WaitContext& ctx);
   void reducescatter(const void* send, void* recv, const std::vector<int64_t>& counts,
@@ -168,7 +170,7 @@ class ShmComm {
 
   void allgatherv_cma(const char* send, char* recv, const std::vector<int64_t>& byte_counts,
                       WaitContext& ctx);
-  void broadcast_cma(char* buf, size_t bytes, int root, WaitContext& ctx);
+  void broadcast_cma(char* buf, size_t bytes, int root, WaitContext& ctx, const char* src);
   void read_peer(int q, char* dst, uintptr_t src, size_t len, WaitContext& ctx);
   void allreduce_small(const char* src, char* dst, size_t bytes, size_t count, int dtype, int op,
                        WaitContext& ctx);
