@@ -21,12 +21,7 @@ import statistics
 import time
 
 import numpy as np
-
-UNITS = {"K": 1 << 10, "M": 1 << 20}
-
-
-def _bytes(text: str) -> int:
-    return int(text[:-1]) * UNITS[text[-1]] if text[-1] in UNITS else int(text)
+from collectives import parse_size  # (nbdist bench's sizes: 4K, 1M, ...)
 
 
 def main(argv=None) -> int:
@@ -64,7 +59,7 @@ def main(argv=None) -> int:
         return comm.allreduce((time.perf_counter() - start) / n * 1e6, op=MPI.MAX)
 
     rows: dict[tuple[str, int, str], list[float]] = {}
-    sizes = [_bytes(s) for s in args.sizes.split(",")]
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
     for size in sizes:
         a = np.ones(size // 4, np.float32)
         b = a.copy()

@@ -488,16 +488,15 @@ class Engine:
             self._stopped_by_abort(aborted)
             return
         # A transport's own failure (a peer died mid-transfer) names its cause itself.
-        cause = (f": {exc}" if isinstance(exc, TransportError)
-                 else f" after an internal error: {type(exc).__name__}: {exc}")
+        own = isinstance(exc, TransportError)
+        cause = f": {exc}" if own else f" after an internal error: {type(exc).__name__}: {exc}"
         self._broken = (f"nbdist runtime on rank {self.rank} stopped{cause}; "
                         "call shutdown() and init() again")
         if self.agreement is not None:
             # Peers already waiting in the agreement for this rank (they left the failed op
             # first: a single-copy broadcast's readers) learn the cause now, not at their
             # next dead-peer check, which would name whichever rank died first.
-            self.agreement.abort(str(exc) if isinstance(exc, TransportError)
-                                 else f"rank {self.rank} stopped{cause}")
+            self.agreement.abort(str(exc) if own else f"rank {self.rank} stopped{cause}")
         # In an elastic world a dead peer is an expected event: hvd.elastic.run rebuilds the
         # world and the driver reports the loss, so a warning on every survivor telling the
         # user to re-init would only mislead. Ops still fail with RuntimeBrokenError.

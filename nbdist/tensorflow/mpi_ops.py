@@ -11,7 +11,6 @@ tf.custom_gradient with Horovod's gradient rules:
 """
 from __future__ import annotations
 
-
 import numpy as np
 import tensorflow as tf
 
