@@ -278,12 +278,13 @@ class Engine:
                 _sigint_gate.leave()
 
     def express(self, kind: str, name: str, array, inplace: bool, op=0, postscale: float = 1.0,
-                root: int = -1):
+                root: int = -1, drive: bool = True):
         """A synchronous allreduce, allgather or broadcast of an op the response cache knows,
         run by this (calling) thread with no Request, Handle or queue (ShmAgreement.express).
 
         The result array when it ran; a Handle to synchronize when the op had to wait
-        after all (this thread drove it for a moment, as drive() does); None when the path
+        after all (this thread drove it for a moment, as drive() does, unless `drive` is
+        False: a small async op's submit, which must not wait longer); None when the path
         does not apply (no shm agreement, other ops in flight, the engine thread in a long
         cycle, an op not cached): then nothing was done and the caller submits as usual.
         """
@@ -293,27 +294,31 @@ class Engine:
         lock = agreement.lock
         if not (lock.acquire(False) or lock.acquire(timeout=DRIVE_WAIT_S)):
             return None
-        return self._express_locked(agreement, _sigint_gate.enter(), agreement.express, kind,
-                                    name, array, inplace, op, postscale, root, EXPRESS_WAIT_S)
+        return self._express_locked(agreement, _sigint_gate.enter(), drive, agreement.express,
+                                    kind, name, array, inplace, op, postscale, root,
+                                    EXPRESS_WAIT_S)
 
-    def express_resume(self, kind: str, name: str, array, inplace: bool, started: tuple):
-        """The rest of an op the native express table started (ops' synchronous forms): it
-        returned `started`, (vote, output, error, Ctrl-C gate entered), with the agreement
-        lock held. The result, or a Handle, as express() returns them."""
+    def express_resume(self, kind: str, name: str, array, inplace: bool, started: tuple,
+                       drive: bool = True):
+        """The rest of an op the native express table started (ops' synchronous forms, and
+        small async allreduces): it returned `started`, (vote, output, error, Ctrl-C gate
+        entered), with the agreement lock held. The result, or a Handle, as express()
+        returns them."""
         voted, out, error, gated = started
         agreement = self.agreement
-        return self._express_locked(agreement, gated, agreement.express_resumed, kind, name,
-                                    array, inplace, out, voted, error)
+        return self._express_locked(agreement, gated, drive, agreement.express_resumed, kind,
+                                    name, array, inplace, out, voted, error)
 
-    def _express_locked(self, agreement, gated: bool, step, *args):
+    def _express_locked(self, agreement, gated: bool, drive: bool, step, *args):
         """express()'s work under the agreement lock, which it releases: step(*args) (the op
-        published as queued from its start), then the driving of a Handle it returns."""
+        published as queued from its start), then, with `drive`, the driving of a Handle it
+        returns."""
         result = None
         try:
             # (the native call holds the engine thread's activity watch from its start, and
             # lets go once the op ran: see hold(); else it is let go below)
             result = step(*args)
-            if result.__class__ is Handle:
+            if drive and result.__class__ is Handle:
                 self._drive_locked(agreement, result, DRIVE_WAIT_S - EXPRESS_WAIT_S)
         except BaseException as exc:
             self._runtime_failed(exc)

@@ -349,16 +349,29 @@ except ImportError:  # no native module: no shm agreement either
     _native_allreduce = _native_allgather = _native_broadcast = _no_native_express
 
 
+# An async allreduce of at most this many bytes whose name the response cache knows runs
+# at once in the submitting thread when every rank is there (the express table, as the
+# synchronous forms do; else it waits as a queued op): handing it to the engine thread
+# costs ~20 µs of Python per op, more than moving its bytes, and an op this small has
+# nothing to overlap with (docs/native.md, "Small async allreduces run at once").
+ASYNC_EXPRESS_BYTES = 64 * 1024
+
+
 def _allreduce(array, op, name: str | None, prescale: float, postscale: float, process_set,
                inplace: bool, wait: bool):
     """Every allreduce form: checks, then the op submitted (its Handle) or, with `wait`, its
-    result. A waited-for CPU op the response cache knows may run at once in this thread
-    with no Request or Handle: in one native call (the express table), else through
+    result. A CPU op the response cache knows, waited for or small, may run at once in this
+    thread with no Request: in one native call (the express table), else through
     Engine.express."""
     if wait:  # first: an op the response cache knows, checked and run in one native call
         done = try_express_allreduce(array, op, name, prescale, postscale, process_set, inplace)
         if done is not None:
             return done
+    elif array.__class__ is np.ndarray and array.nbytes <= ASYNC_EXPRESS_BYTES:
+        done = try_express_allreduce(array, op, name, prescale, postscale, process_set, inplace,
+                                     wait=False)
+        if done is not None:
+            return as_handle(name, done)
     what = "allreduce_" if inplace else "allreduce"
     engine, _ = process_sets.resolve(process_set, what)
     if inplace and _device_of(array) != "cpu":
@@ -374,57 +387,72 @@ def _allreduce(array, op, name: str | None, prescale: float, postscale: float, p
         start = functools.partial(_adasum_submit, a, name, engine, prescale, postscale, inplace,
                                   what)
         return _waited(start) if wait else start()
-    if wait and prescale == 1.0:
+    if prescale == 1.0 and (wait or a.nbytes <= ASYNC_EXPRESS_BYTES):
         name = _op_name(engine, ALLREDUCE, name)
-        done = _express(engine, ALLREDUCE, name, a, inplace, op, postscale)
+        done = _express(engine, ALLREDUCE, name, a, inplace, op, postscale, wait=wait)
         if done is not None:
-            return done
+            return done if wait else as_handle(name, done)
     start = functools.partial(_submit, ALLREDUCE, a, name, inplace=inplace, engine=engine, op=op,
                               prescale=prescale, postscale=postscale)
     return _waited(start) if wait else start()
 
 
 def _express(engine, kind: str, name, array: np.ndarray, inplace: bool, op=0,
-             postscale: float = 1.0, root: int = -1):
+             postscale: float = 1.0, root: int = -1, wait: bool = True):
     """A synchronous op's result through Engine.express (an op the response cache knows, run
-    at once in this thread), or None when that path does not apply.
+    at once in this thread), or None when that path does not apply. Without `wait` (a
+    small async allreduce) the result, or the Handle of an op that waits after all.
 
     `name` is the op's name; an unnamed op's is given by _op_name first (the caller submits
     the op under that same name when this returns None)."""
     if engine.agreement is None or (name.__class__ is not str and name.__class__ is not AutoName):
         return None
-    return _express_done(name, engine.express, kind, name, array, inplace, op, postscale, root)
+    return _express_done(name, wait, engine.express, kind, name, array, inplace, op, postscale,
+                         root, wait)
 
 
 def try_express_allreduce(array, op, name: str | None, prescale: float, postscale: float,
-                          process_set, inplace: bool):
+                          process_set, inplace: bool, wait: bool = True):
     """A synchronous allreduce's result through the native express table (the first thing
     allreduce and allreduce_ try, and torch's for a plain CPU tensor), or None when the
-    table did not take it: nothing was done, and the caller goes the checked way."""
+    table did not take it: nothing was done, and the caller goes the checked way. Without
+    `wait` (a small async allreduce) the result, or the Handle of an op that waits."""
     done = _native_allreduce(array, op, name, prescale, postscale, process_set, inplace)
     if done.__class__ is tuple:  # started there: finished here
-        return _resume(ALLREDUCE, name, array, inplace, done)
+        return _resume(ALLREDUCE, name, array, inplace, done, wait)
     return done
 
 
-def _resume(kind: str, name: str | None, array: np.ndarray, inplace: bool, started: tuple):
+def _resume(kind: str, name: str | None, array: np.ndarray, inplace: bool, started: tuple,
+            wait: bool = True):
     """The result of an op the native express table started and did not finish (an
-    unnamed op was numbered there: its name is the last one given)."""
+    unnamed op was numbered there: its name is the last one given); without `wait`, or
+    its Handle when it waits."""
     engine = basics.engine()
     op_name = engine.last_auto_name(kind) if name is None else name
-    return _express_done(op_name, engine.express_resume, kind, op_name, array, inplace,
-                         started)
+    return _express_done(op_name, wait, engine.express_resume, kind, op_name, array, inplace,
+                         started, wait)
 
 
-def _express_done(name: str, express, *args):
-    """express(*args) (Engine.express or express_resume), then the wait for a Handle it
-    returns; a Ctrl-C meanwhile aborts the op on every rank."""
+def _express_done(name: str, wait: bool, express, *args):
+    """express(*args) (Engine.express or express_resume), then, with `wait`, the wait for a
+    Handle it returns; a Ctrl-C meanwhile aborts the op on every rank."""
     try:
         done = express(*args)
     except KeyboardInterrupt:
         _abort_interrupted(name)
         raise
-    return synchronize(done) if done.__class__ is Handle else done
+    return synchronize(done) if wait and done.__class__ is Handle else done
+
+
+def as_handle(name, done) -> Handle:
+    """An async op's Handle from what the express path gave: its Handle when the op waits,
+    else one that is done, holding the result."""
+    if done.__class__ is Handle:
+        return done
+    handle = Handle(ALLREDUCE if name is None else str(name))
+    handle.set_result(done)
+    return handle
 
 
 def _op_name(engine, kind: str, name):

@@ -16,7 +16,7 @@ from nbdist import common as _c
 from nbdist.common.engine import blocking
 from nbdist.common.ops import (REDUCESCATTER, SPARSE,  # noqa: F401 (handle_... re-exported)
                                handle_average_backwards_compatibility, resolve_op,
-                               try_express_allreduce)
+                               ASYNC_EXPRESS_BYTES, try_express_allreduce)
 from nbdist.common.ops_base import Adasum, Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401 (re-exported)
 
 from . import tensor_util as _tu
@@ -39,6 +39,14 @@ class Handle:
         self._keep = keep
         self._state = "in flight"
         self._output = None
+
+    @classmethod
+    def finished(cls, output) -> "Handle":
+        """The handle of an op that ran as it was submitted (a small async allreduce the
+        express path ran at once): synchronize() returns `output`."""
+        handle = cls(None, None)
+        handle._state, handle._output = "done", output
+        return handle
 
     def poll(self) -> bool:
         return self._state != "in flight" or bool(_c.poll(self.inner))
@@ -151,10 +159,33 @@ def _allreduce_now(tensor, name, op, prescale_factor, postscale_factor, ps=None)
     return _tu.to_tensor(result, tensor)
 
 
+def _express_async(tensor, op, name, prescale_factor, postscale_factor, process_set,
+                   inplace: bool) -> Handle | None:
+    """The Handle of a small async allreduce of a plain CPU tensor that the common layer's
+    express path took (ASYNC_EXPRESS_BYTES: run at once when every rank is there, else
+    waiting as a queued op), or None: nothing was done, the caller submits as usual."""
+    view = _tu.express_view(tensor)
+    if view is None or view.nbytes > ASYNC_EXPRESS_BYTES:
+        return None
+    done = try_express_allreduce(view, op, name, prescale_factor, postscale_factor, process_set,
+                                 inplace, wait=False)
+    if done is None:
+        return None
+    if done.__class__ is not _c.Handle:  # it ran: the result is there already
+        return Handle.finished(tensor if inplace else torch.from_numpy(done))
+    if inplace:
+        return Handle(done, lambda _result: tensor, keep=(tensor,))
+    return Handle(done, torch.from_numpy)
+
+
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                     postscale_factor=1.0, process_set=global_process_set) -> Handle:
     """Start averaging (or reducing with `op`) `tensor` over all ranks; the input is not changed."""
     op = resolve_op(op, "allreduce_async", average=average)
+    handle = _express_async(tensor, op, name, prescale_factor, postscale_factor, process_set,
+                            False)
+    if handle is not None:
+        return handle
     ps = check_process_set(process_set, "allreduce_async")
     return _allreduce_submit(tensor, name, op, prescale_factor, postscale_factor, ps)
 
@@ -163,6 +194,10 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
                      postscale_factor=1.0, process_set=global_process_set) -> Handle:
     """Start an in-place allreduce: `tensor` holds the result once synchronize() returns."""
     op = resolve_op(op, "allreduce_async_", average=average)
+    handle = _express_async(tensor, op, name, prescale_factor, postscale_factor, process_set,
+                            True)
+    if handle is not None:
+        return handle
     ps = check_process_set(process_set, "allreduce_async_")
     return _inplace(tensor, "allreduce_async_", True, lambda buf: _c.allreduce_async_(
         buf, op=op, name=name, prescale_factor=prescale_factor, postscale_factor=postscale_factor,

@@ -570,6 +570,56 @@ def test_unnamed_ops_keep_one_numbering_when_ranks_take_different_paths():
     assert len(set(counters)) == 1, counters
 
 
+def test_small_async_allreduces_of_cached_names_run_as_submitted():
+    # A step of small named async allreduces (a DistributedOptimizer without buckets): once
+    # the names are cached, each runs as it is submitted when every rank is there (the
+    # express path), else it waits as a queued op; the results are the same either way.
+    before = _express_count()
+    for step in range(20):
+        xs = [np.full(8, RANK + step + i, np.float32) for i in range(4)]
+        handles = [hvd.allreduce_async_(x, op=hvd.Sum, name=f"async.small.{i}")
+                   for i, x in enumerate(xs)]
+        src = np.full(3, float(RANK))
+        averaged = hvd.allreduce_async(src, name="async.small.average")
+        unnamed = hvd.allreduce_async(np.full(2, RANK + step), op=hvd.Sum)
+        for i, (handle, x) in enumerate(zip(handles, xs)):
+            assert hvd.synchronize(handle) is x
+            np.testing.assert_array_equal(x, np.full(8, sum(r + step + i for r in range(SIZE))))
+        got = hvd.synchronize(averaged)
+        assert got is not src
+        np.testing.assert_allclose(got, np.full(3, (SIZE - 1) / 2))
+        np.testing.assert_array_equal(src, np.full(3, float(RANK)))  # input untouched
+        np.testing.assert_array_equal(hvd.synchronize(unnamed),
+                                      np.full(2, sum(r + step for r in range(SIZE))))
+    if hvd.basics.engine().agreement is not None and SIZE > 1:
+        assert _express_ran_since(before)
+
+
+def test_small_async_allreduce_does_not_wait_for_a_late_peer():
+    # Running as it is submitted is only for when every rank is there: a submit whose peer
+    # is late returns at once (the op waits as a queued one), as Horovod's async ops do.
+    for _ in range(3):
+        hvd.allreduce(np.ones(2), name="async.late")
+    if RANK == SIZE - 1:
+        time.sleep(1.0)
+    start = time.monotonic()
+    handle = hvd.allreduce_async(np.full(2, RANK + 1.0), op=hvd.Sum, name="async.late")
+    submitted = time.monotonic() - start
+    np.testing.assert_array_equal(hvd.synchronize(handle), np.full(2, SIZE * (SIZE + 1) / 2))
+    if RANK != SIZE - 1:
+        assert submitted < 0.5, f"an async submit waited {submitted:.2f} s for a late peer"
+
+
+def test_changed_shape_under_a_cached_name_is_a_mismatch_async():
+    for _ in range(3):
+        hvd.synchronize(hvd.allreduce_async(np.ones(4), name="reshape.async"))
+    shape = (5,) if RANK == 0 else (4,)
+    with pytest.raises(hvd.MismatchError, match="reshape.async"):
+        hvd.synchronize(hvd.allreduce_async(np.ones(shape), name="reshape.async"))
+    got = hvd.synchronize(hvd.allreduce_async(np.ones(4), op=hvd.Sum, name="reshape.async"))
+    np.testing.assert_array_equal(got, np.full(4, float(SIZE)))
+
+
 def test_changed_shape_under_a_cached_name_is_a_mismatch():
     for _ in range(2):
         hvd.allreduce(np.ones(4), name="reshape.x")

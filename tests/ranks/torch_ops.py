@@ -144,6 +144,34 @@ def test_repeated_allreduces_of_a_tensor_run_in_the_express_table():
         assert int(ran.item()) > 0
 
 
+def test_small_async_allreduces_of_a_tensor_run_as_submitted():
+    # A DistributedOptimizer without buckets: small named async allreduces, the same each
+    # step. Once cached, each may run as it is submitted (nbdist.common's express path); the
+    # handles and results are Horovod's either way: synchronize() of the in-place form
+    # returns the tensor itself, the out-of-place form a new tensor and the input unchanged.
+    from nbdist.common import basics
+
+    agreement = basics.engine().agreement
+    before = agreement.stats["express"] if agreement is not None else 0
+    total = sum(range(1, N() + 1))
+    for step in range(10):
+        grads = [torch.full((5, 2), float(R() + 1 + step + i)) for i in range(3)]
+        handles = [hvd.allreduce_async_(g, op=hvd.Sum, name=f"torch.async.{i}")
+                   for i, g in enumerate(grads)]
+        src = torch.full((3,), float(R() + 1))
+        averaged = hvd.allreduce_async(src, name="torch.async.average")
+        for i, (handle, g) in enumerate(zip(handles, grads)):
+            assert hvd.poll(handle) in (True, False)
+            assert hvd.synchronize(handle) is g
+            assert torch.equal(g, torch.full((5, 2), float(total + N() * (step + i))))
+        got = hvd.synchronize(averaged)
+        assert got is not src and torch.allclose(got, torch.full((3,), total / N()))
+        assert torch.equal(src, torch.full((3,), float(R() + 1)))
+    if agreement is not None and N() > 1:
+        ran = hvd.allreduce(torch.tensor([agreement.stats["express"] - before]), op=hvd.Sum)
+        assert int(ran.item()) > 0
+
+
 def test_non_contiguous_inputs():
     base = value(R(), (4, 6), torch.float32)
     t = base.t()  # a strided view
