@@ -61,6 +61,9 @@ def _init(comm) -> None:
         engine = Engine(topology, config,
                         lambda should_stop: TransportSet(config, topology, should_stop))
         _state.update(engine=engine, topology=topology, config=config)
+        from . import ops
+
+        ops.ASYNC_EXPRESS_BYTES = config.async_express_bytes
         if engine.agreement is not None:  # the global set's cached allreduces: native first
             engine.agreement.express_table.make_default()
         report = sys.modules.get("nbdist.rank.report")

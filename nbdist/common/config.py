@@ -51,6 +51,9 @@ class Config:
     bucket_bytes: int = 25 * MiB
     cycle_time_ms: float = 1.0  # NBDIST_CYCLE_TIME / HOROVOD_CYCLE_TIME (milliseconds)
     cache_capacity: int = 1024  # NBDIST_CACHE_CAPACITY / HOROVOD_CACHE_CAPACITY (0 disables)
+    # NBDIST_ASYNC_EXPRESS_BYTES: an async allreduce of a cached name up to this size runs as
+    # it is submitted when every rank is there (docs/common-api.md); 0: always queued
+    async_express_bytes: int = 64 * 1024
     stall_warning_s: float = 60.0  # NBDIST_STALL_WARNING_S (HOROVOD_STALL_CHECK_TIME_SECONDS)
     timeout_s: float = 600.0  # NBDIST_TIMEOUT_S (0: wait for ever); HOROVOD_STALL_SHUTDOWN_TIME_SECONDS
     cpu_operations: str = "auto"  # NBDIST_CPU_OPERATIONS / HOROVOD_CPU_OPERATIONS: auto|mpi|shm
@@ -74,6 +77,8 @@ class Config:
             bucket_bytes=int(_number("BUCKET_BYTES", 25 * MiB, "NBDIST_BUCKET_BYTES", cast=int)),
             cycle_time_ms=_number("CYCLE_TIME", 1.0),
             cache_capacity=int(_number("CACHE_CAPACITY", 1024, cast=int)),
+            async_express_bytes=int(_number("ASYNC_EXPRESS_BYTES", 64 * 1024,
+                                            "NBDIST_ASYNC_EXPRESS_BYTES", cast=int)),
             stall_warning_s=_number("STALL_WARNING_S", 60.0, "HOROVOD_STALL_CHECK_TIME_SECONDS"),
             timeout_s=_number("TIMEOUT_S", 600.0, "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"),
             cpu_operations=cpu_ops,
@@ -85,6 +90,7 @@ class Config:
             autotune_log=_env("AUTOTUNE_LOG"),
         )
         if (config.fusion_threshold < 0 or config.bucket_bytes < 0 or config.cycle_time_ms < 0
+                or config.async_express_bytes < 0
                 or config.local_size < 0 or config.autotune_steps < 1 or config.autotune_warmup < 0):
             raise ValueError(f"negative value in nbdist options: {config}")
         return config

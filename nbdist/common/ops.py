@@ -353,7 +353,8 @@ except ImportError:  # no native module: no shm agreement either
 # at once in the submitting thread when every rank is there (the express table, as the
 # synchronous forms do; else it waits as a queued op): handing it to the engine thread
 # costs ~20 µs of Python per op, more than moving its bytes, and an op this small has
-# nothing to overlap with (docs/native.md, "Small async allreduces run at once").
+# nothing to overlap with (docs/common-api.md, "Small async allreduces run as they are
+# submitted"). Config.async_express_bytes (NBDIST_ASYNC_EXPRESS_BYTES), set by init().
 ASYNC_EXPRESS_BYTES = 64 * 1024
 
 

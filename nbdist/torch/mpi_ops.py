@@ -16,7 +16,7 @@ from nbdist import common as _c
 from nbdist.common.engine import blocking
 from nbdist.common.ops import (REDUCESCATTER, SPARSE,  # noqa: F401 (handle_... re-exported)
                                handle_average_backwards_compatibility, resolve_op,
-                               ASYNC_EXPRESS_BYTES, try_express_allreduce)
+                               try_express_allreduce)
 from nbdist.common.ops_base import Adasum, Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401 (re-exported)
 
 from . import tensor_util as _tu
@@ -165,7 +165,7 @@ def _express_async(tensor, op, name, prescale_factor, postscale_factor, process_
     express path took (ASYNC_EXPRESS_BYTES: run at once when every rank is there, else
     waiting as a queued op), or None: nothing was done, the caller submits as usual."""
     view = _tu.express_view(tensor)
-    if view is None or view.nbytes > ASYNC_EXPRESS_BYTES:
+    if view is None or view.nbytes > _c.ops.ASYNC_EXPRESS_BYTES:
         return None
     done = try_express_allreduce(view, op, name, prescale_factor, postscale_factor, process_set,
                                  inplace, wait=False)
