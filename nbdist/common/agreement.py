@@ -395,7 +395,7 @@ class ShmAgreement:
     def express(self, kind: str, name: str, array: np.ndarray, inplace: bool, op,
                 postscale: float, root: int, wait_s: float):
         """A synchronous allreduce, allgather or broadcast of a cached op (or a small async
-        allreduce), from the thread that submits it (Engine.express holds the lock): no
+        op), from the thread that submits it (Engine.express holds the lock): no
         Request, Handle or queue when the peers are ready for it.
 
         When this rank has nothing else in flight and `name` is cached with this op's

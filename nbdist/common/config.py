@@ -51,8 +51,9 @@ class Config:
     bucket_bytes: int = 25 * MiB
     cycle_time_ms: float = 1.0  # NBDIST_CYCLE_TIME / HOROVOD_CYCLE_TIME (milliseconds)
     cache_capacity: int = 1024  # NBDIST_CACHE_CAPACITY / HOROVOD_CACHE_CAPACITY (0 disables)
-    # NBDIST_ASYNC_EXPRESS_BYTES: an async allreduce of a cached name up to this size runs as
-    # it is submitted when every rank is there (docs/common-api.md); 0: always queued
+    # NBDIST_ASYNC_EXPRESS_BYTES: an async allreduce, allgather or broadcast of a cached name
+    # up to this size runs as it is submitted when every rank is there (docs/common-api.md);
+    # 0: always queued
     async_express_bytes: int = 64 * 1024
     stall_warning_s: float = 60.0  # NBDIST_STALL_WARNING_S (HOROVOD_STALL_CHECK_TIME_SECONDS)
     timeout_s: float = 600.0  # NBDIST_TIMEOUT_S (0: wait for ever); HOROVOD_STALL_SHUTDOWN_TIME_SECONDS

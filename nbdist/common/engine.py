@@ -301,7 +301,7 @@ class Engine:
     def express_resume(self, kind: str, name: str, array, inplace: bool, started: tuple,
                        drive: bool = True):
         """The rest of an op the native express table started (ops' synchronous forms, and
-        small async allreduces): it returned `started`, (vote, output, error, Ctrl-C gate
+        small async ops): it returned `started`, (vote, output, error, Ctrl-C gate
         entered), with the agreement lock held. The result, or a Handle, as express()
         returns them."""
         voted, out, error, gated = started

@@ -349,13 +349,28 @@ except ImportError:  # no native module: no shm agreement either
     _native_allreduce = _native_allgather = _native_broadcast = _no_native_express
 
 
-# An async allreduce of at most this many bytes whose name the response cache knows runs
-# at once in the submitting thread when every rank is there (the express table, as the
-# synchronous forms do; else it waits as a queued op): handing it to the engine thread
-# costs ~20 µs of Python per op, more than moving its bytes, and an op this small has
-# nothing to overlap with (docs/common-api.md, "Small async allreduces run as they are
-# submitted"). Config.async_express_bytes (NBDIST_ASYNC_EXPRESS_BYTES), set by init().
+# An async allreduce, allgather or broadcast of at most this many bytes (this rank's
+# input) whose name the response cache knows runs at once in the submitting thread when
+# every rank is there (the express table, as the synchronous forms do; else it waits as
+# a queued op): handing it to the engine thread costs ~20 µs of Python per op, more than
+# moving its bytes, and an op this small has nothing to overlap with (docs/common-api.md,
+# "Small async ops run as they are submitted"). Config.async_express_bytes
+# (NBDIST_ASYNC_EXPRESS_BYTES), set by init().
 ASYNC_EXPRESS_BYTES = 64 * 1024
+
+
+def _express_first(array, wait: bool) -> bool:
+    """Whether an op is one the express path may take before any check: a synchronous one,
+    or a small async one on a numpy array (others are checked first, then may take it)."""
+    return wait or (array.__class__ is np.ndarray and array.nbytes <= ASYNC_EXPRESS_BYTES)
+
+
+def _native_done(kind: str, name, array, inplace: bool, done, wait: bool):
+    """What a native express call returned (not None): the op's result or, without `wait`,
+    its Handle; an op the call started and did not finish is finished by _resume."""
+    if done.__class__ is tuple:
+        done = _resume(kind, name, array, inplace, done, wait)
+    return done if wait else _as_handle(kind, name, done)
 
 
 def _allreduce(array, op, name: str | None, prescale: float, postscale: float, process_set,
@@ -364,15 +379,11 @@ def _allreduce(array, op, name: str | None, prescale: float, postscale: float, p
     result. A CPU op the response cache knows, waited for or small, may run at once in this
     thread with no Request: in one native call (the express table), else through
     Engine.express."""
-    if wait:  # first: an op the response cache knows, checked and run in one native call
-        done = try_express_allreduce(array, op, name, prescale, postscale, process_set, inplace)
-        if done is not None:
-            return done
-    elif array.__class__ is np.ndarray and array.nbytes <= ASYNC_EXPRESS_BYTES:
+    if _express_first(array, wait):  # an op the response cache knows, in one native call
         done = try_express_allreduce(array, op, name, prescale, postscale, process_set, inplace,
-                                     wait=False)
+                                     wait)
         if done is not None:
-            return as_handle(name, done)
+            return done if wait else _as_handle(ALLREDUCE, name, done)
     what = "allreduce_" if inplace else "allreduce"
     engine, _ = process_sets.resolve(process_set, what)
     if inplace and _device_of(array) != "cpu":
@@ -392,7 +403,7 @@ def _allreduce(array, op, name: str | None, prescale: float, postscale: float, p
         name = _op_name(engine, ALLREDUCE, name)
         done = _express(engine, ALLREDUCE, name, a, inplace, op, postscale, wait=wait)
         if done is not None:
-            return done if wait else as_handle(name, done)
+            return done
     start = functools.partial(_submit, ALLREDUCE, a, name, inplace=inplace, engine=engine, op=op,
                               prescale=prescale, postscale=postscale)
     return _waited(start) if wait else start()
@@ -402,14 +413,15 @@ def _express(engine, kind: str, name, array: np.ndarray, inplace: bool, op=0,
              postscale: float = 1.0, root: int = -1, wait: bool = True):
     """A synchronous op's result through Engine.express (an op the response cache knows, run
     at once in this thread), or None when that path does not apply. Without `wait` (a
-    small async allreduce) the result, or the Handle of an op that waits after all.
+    small async op) its Handle: done when the op ran.
 
     `name` is the op's name; an unnamed op's is given by _op_name first (the caller submits
     the op under that same name when this returns None)."""
     if engine.agreement is None or (name.__class__ is not str and name.__class__ is not AutoName):
         return None
-    return _express_done(name, wait, engine.express, kind, name, array, inplace, op, postscale,
+    done = _express_done(name, wait, engine.express, kind, name, array, inplace, op, postscale,
                          root, wait)
+    return done if wait or done is None else _as_handle(kind, name, done)
 
 
 def try_express_allreduce(array, op, name: str | None, prescale: float, postscale: float,
@@ -446,12 +458,12 @@ def _express_done(name: str, wait: bool, express, *args):
     return synchronize(done) if wait and done.__class__ is Handle else done
 
 
-def as_handle(name, done) -> Handle:
+def _as_handle(kind: str, name, done) -> Handle:
     """An async op's Handle from what the express path gave: its Handle when the op waits,
     else one that is done, holding the result."""
     if done.__class__ is Handle:
         return done
-    handle = Handle(ALLREDUCE if name is None else str(name))
+    handle = Handle(kind if name is None else str(name))
     handle.set_result(done)
     return handle
 
@@ -581,17 +593,17 @@ def _allgather(array, name: str | None, process_set, wait: bool):
     """Both allgather forms, as _allreduce: checks, then the Handle or, with `wait`, the
     result (a cached op may run at once in this thread: in one native call, the express
     table, else through Engine.express)."""
-    if wait:
+    if _express_first(array, wait):
         done = _native_allgather(array, name, process_set)
         if done is not None:
-            return _resume(ALLGATHER, name, array, False, done) if done.__class__ is tuple else done
+            return _native_done(ALLGATHER, name, array, False, done, wait)
     engine, _ = process_sets.resolve(process_set, "allgather")
     a = as_array(array, "allgather")
     if a.ndim == 0:
         a = a.reshape(1)
-    if wait:
+    if wait or a.nbytes <= ASYNC_EXPRESS_BYTES:
         name = _op_name(engine, ALLGATHER, name)
-        done = _express(engine, ALLGATHER, name, a, False)
+        done = _express(engine, ALLGATHER, name, a, False, wait=wait)
         if done is not None:
             return done
     start = functools.partial(_submit, ALLGATHER, a, name, engine=engine)
@@ -613,11 +625,10 @@ def _broadcast(array, root_rank: int, name: str | None, process_set, inplace: bo
     """Every broadcast form, as _allreduce: checks, then the Handle or, with `wait`, the
     result (a cached CPU op may run at once in this thread: in one native call, the express
     table, else through Engine.express)."""
-    if wait:
+    if _express_first(array, wait):
         done = _native_broadcast(array, root_rank, name, process_set, inplace)
         if done is not None:
-            return (_resume(BROADCAST, name, array, inplace, done) if done.__class__ is tuple
-                    else done)
+            return _native_done(BROADCAST, name, array, inplace, done, wait)
     what = "broadcast_" if inplace else "broadcast"
     engine, ranks = process_sets.resolve(process_set, what)
     root = _check_root(root_rank, what, ranks)
@@ -626,9 +637,9 @@ def _broadcast(array, root_rank: int, name: str | None, process_set, inplace: bo
                                   root=root)
         return _waited(start) if wait else start()
     a = as_array(array, what, inplace=inplace)
-    if wait:
+    if wait or a.nbytes <= ASYNC_EXPRESS_BYTES:
         name = _op_name(engine, BROADCAST, name)
-        done = _express(engine, BROADCAST, name, a, inplace, root=root)
+        done = _express(engine, BROADCAST, name, a, inplace, root=root, wait=wait)
         if done is not None:
             return done
     start = functools.partial(_submit, BROADCAST, a, name, inplace=inplace, engine=engine,

@@ -595,19 +595,53 @@ def test_small_async_allreduces_of_cached_names_run_as_submitted():
         assert _express_ran_since(before)
 
 
-def test_small_async_allreduce_does_not_wait_for_a_late_peer():
+def test_small_async_allgathers_and_broadcasts_of_cached_names_run_as_submitted():
+    # The same for allgather and both broadcasts (TensorFlow's graph ops submit this way):
+    # results, in place and out of place, as through the queue; inputs untouched.
+    before = _express_count()
+    root = SIZE - 1
+    for step in range(15):
+        rows = np.full((RANK + 1, 2), RANK * 10 + step, np.int32)
+        gathered = hvd.allgather_async(rows, name="async.gather")
+        unnamed = hvd.allgather_async(np.array([RANK + step], np.float32))
+        src = np.full(4, RANK * 100.0 + step)
+        sent = hvd.broadcast_async(src, root, name="async.bcast")
+        y = np.full(3, RANK + step, np.int64)
+        sent_ = hvd.broadcast_async_(y, 0, name="async.bcast_")
+        want = np.concatenate([np.full((r + 1, 2), r * 10 + step, np.int32) for r in range(SIZE)])
+        np.testing.assert_array_equal(hvd.synchronize(gathered), want)
+        np.testing.assert_array_equal(hvd.synchronize(unnamed),
+                                      np.arange(SIZE, dtype=np.float32) + step)
+        got = hvd.synchronize(sent)
+        assert got is not src
+        np.testing.assert_array_equal(got, np.full(4, root * 100.0 + step))
+        np.testing.assert_array_equal(src, np.full(4, RANK * 100.0 + step))
+        assert hvd.synchronize(sent_) is y
+        np.testing.assert_array_equal(y, np.full(3, step, np.int64))
+    if hvd.basics.engine().agreement is not None and SIZE > 1:
+        assert _express_ran_since(before)
+
+
+def test_small_async_ops_do_not_wait_for_a_late_peer():
     # Running as it is submitted is only for when every rank is there: a submit whose peer
     # is late returns at once (the op waits as a queued one), as Horovod's async ops do.
     for _ in range(3):
         hvd.allreduce(np.ones(2), name="async.late")
+        hvd.allgather(np.ones(2), name="async.late.gather")
+        hvd.broadcast(np.ones(2), 0, name="async.late.bcast")
     if RANK == SIZE - 1:
         time.sleep(1.0)
     start = time.monotonic()
-    handle = hvd.allreduce_async(np.full(2, RANK + 1.0), op=hvd.Sum, name="async.late")
+    reduced = hvd.allreduce_async(np.full(2, RANK + 1.0), op=hvd.Sum, name="async.late")
+    gathered = hvd.allgather_async(np.full(2, float(RANK)), name="async.late.gather")
+    sent = hvd.broadcast_async(np.full(2, float(RANK)), 0, name="async.late.bcast")
     submitted = time.monotonic() - start
-    np.testing.assert_array_equal(hvd.synchronize(handle), np.full(2, SIZE * (SIZE + 1) / 2))
+    np.testing.assert_array_equal(hvd.synchronize(reduced), np.full(2, SIZE * (SIZE + 1) / 2))
+    np.testing.assert_array_equal(hvd.synchronize(gathered),
+                                  np.repeat(np.arange(SIZE, dtype=np.float64), 2))
+    np.testing.assert_array_equal(hvd.synchronize(sent), np.zeros(2))
     if RANK != SIZE - 1:
-        assert submitted < 0.5, f"an async submit waited {submitted:.2f} s for a late peer"
+        assert submitted < 0.5, f"async submits waited {submitted:.2f} s for a late peer"
 
 
 def test_changed_shape_under_a_cached_name_is_a_mismatch_async():
