@@ -81,7 +81,7 @@ def test_hierarchical_with_pretend_nodes(n, local_size):
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("path", ["transport", "api", "api-allgather", "api-broadcast",
+@pytest.mark.parametrize("path", ["transport", "api", "api-allgather", "api-broadcast", "api-async",
                                   "api-allreduce-midop", "api-allgather-midop",
                                   "api-broadcast-midop", "api-fused-midop"])
 @pytest.mark.parametrize("n", RANKS)

@@ -16,7 +16,9 @@ NBDIST_SIGKILL_PATH=api runs the user's path instead of the transport alone: a n
 4 KiB hvd.allreduce_ repeated, which the engine runs in the calling thread's one native
 call (the express table); the survivors must fail it naming the dead rank too.
 api-allgather and api-broadcast: the same with hvd.allgather and hvd.broadcast_; api-fused:
-four allreduce_async_ then synchronize (one fused unit through the engine's cycle).
+four allreduce_async_ then synchronize (one fused unit through the engine's cycle);
+api-async: a small async allreduce_, allgather and broadcast_ then synchronize (each runs
+as it is submitted when every rank is there, else waits as a queued op).
 A "-midop" suffix (api-allgather-midop, ...): the last rank dies *inside* a 16 MiB op (a
 timer thread kills it 2 ms into its call, while the bytes move), so the survivors' one
 native call itself fails (a case that once came back as a pybind11 cast error, the real
@@ -93,8 +95,16 @@ def api_path(kind: str, midop: bool):
         for h in handles:
             hvd.synchronize(h)
 
+    def small_async():  # small async ops of cached names: each runs as it is submitted
+        handles = [hvd.allreduce_async_(parts[0], op=hvd.Sum, name="sigkill.a"),
+                   hvd.allgather_async(parts[1], name="sigkill.ag"),
+                   hvd.broadcast_async_(parts[2], 0, name="sigkill.ab")]
+        for h in handles:
+            hvd.synchronize(h)
+
     calls = {
         "fused": fused,
+        "async": small_async,
         "allreduce": lambda: hvd.allreduce_(buf, op=hvd.Sum, name="sigkill.x"),
         "allgather": lambda: hvd.allgather(buf, name="sigkill.g"),
         "broadcast": lambda: hvd.broadcast_(buf, 0, name="sigkill.b"),
