@@ -546,6 +546,13 @@ def allreduce_pieces_async_(flat: np.ndarray, pieces: Sequence[np.ndarray], op=R
         raise ValueError(f"{what} on rank {basics.rank()}: expected writeable C-contiguous CPU "
                          f"arrays of {a.dtype} adding up to the 1-d flat array of {a.size} "
                          "elements, and an op other than Adasum")
+    if 0 < a.nbytes <= ASYNC_EXPRESS_BYTES:
+        # A small bucket (a small model's gradients, all of them): packed into `flat` (a copy
+        # of at most 64 KiB), it is one small async allreduce, which may run as it is
+        # submitted; its result is `flat` either way.
+        np.concatenate([p.reshape(-1) for p in parts], out=a)
+        return _allreduce(a, op, name, prescale_factor, postscale_factor, process_set, True,
+                          False)
     return _submit(ALLREDUCE, a, name, inplace=True, engine=engine, op=op,
                    prescale=prescale_factor, postscale=postscale_factor, pieces=parts)
 

@@ -527,9 +527,12 @@ def test_gradients_go_in_buckets_after_the_first_step():
     assert_same_params(model, ref)
 
 
-def test_a_bucket_is_reduced_in_the_gradients_themselves():
+def test_a_bucket_is_reduced_in_the_gradients_themselves(monkeypatch):
     """On CPU the bucket's gradients are reduced where they are: each p.grad keeps its
-    storage, and nothing passes through the bucket's flat buffer (the shm transport)."""
+    storage, and nothing passes through the bucket's flat buffer (the shm transport).
+    (This model's bucket is small enough to be packed and run as it is submitted, a small
+    async op: that is turned off here, as NBDIST_ASYNC_EXPRESS_BYTES=0 does.)"""
+    monkeypatch.setattr(nbdist.common.ops, "ASYNC_EXPRESS_BYTES", 0)
     model = make_model()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    named_parameters=model.named_parameters())
@@ -552,6 +555,28 @@ def test_a_bucket_is_reduced_in_the_gradients_themselves():
     ref = make_model()
     train(ref, torch.optim.SGD(ref.parameters(), lr=0.1), 3, 1, False)
     assert_same_params(model, ref)
+
+
+def test_a_small_bucket_runs_as_it_is_submitted():
+    """A bucket of at most 64 KiB (all of a small model's gradients) is packed into its flat
+    buffer and reduced as one small async allreduce, which runs as it is submitted when
+    every rank is there: the same training, with no op through the engine's queue."""
+    agreement = nbdist.common.basics.engine().agreement
+    before = agreement.stats["express"] if agreement is not None else 0
+    model = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    for step in range(4):
+        x, y = global_batch(step, 0)
+        F.mse_loss(model(shard(x)), shard(y)).backward()
+        opt.step()
+        opt.zero_grad()
+    ref = make_model()
+    train(ref, torch.optim.SGD(ref.parameters(), lr=0.1), 4, 1, False)
+    assert_same_params(model, ref)
+    if agreement is not None and N() > 1:
+        ran = hvd.allreduce(torch.tensor([agreement.stats["express"] - before]), op=hvd.Sum)
+        assert int(ran.item()) > 0
 
 
 def test_autotune_picks_the_bucket_size_by_measurement(monkeypatch, tmp_path):
