@@ -16,6 +16,27 @@ NBDIST = str(Path(sys.executable).parent / "nbdist")
 pytestmark = pytest.mark.timeout(240)
 
 
+def _process_tree(pid: int) -> str:
+    """Each process under `pid` (nbdist run, mpiexec, its proxy, the ranks): state, kernel
+    wait channel, command line; what a hung run's failure message shows."""
+    import psutil
+
+    lines = []
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return "(the run's processes were gone)"
+    for p in procs:
+        try:
+            wchan = Path(f"/proc/{p.pid}/wchan").read_text()
+            lines.append(f"{p.pid} ppid {p.ppid()} {p.status()} wchan={wchan} "
+                         f"{' '.join(p.cmdline())[:200]}")
+        except (psutil.Error, OSError):
+            continue
+    return "processes of the run:\n" + "\n".join(lines)
+
+
 def nbdist_run(tmp_path, body: str, n: int, *extra: str, timeout: float = 180):
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(body))
@@ -25,9 +46,10 @@ def nbdist_run(tmp_path, body: str, n: int, *extra: str, timeout: float = 180):
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        tree = _process_tree(proc.pid)  # where it hung, before the kill removes it
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        pytest.fail(f"nbdist run did not finish in {timeout} s\n{out}\n{err}")
+        pytest.fail(f"nbdist run did not finish in {timeout} s\n{out}\n{err}\n{tree}")
     return proc.returncode, out, err
 
 
