@@ -37,6 +37,23 @@ def _process_tree(pid: int) -> str:
     return "processes of the run:\n" + "\n".join(lines)
 
 
+def _kill_tree(pid: int) -> None:
+    """Kill `pid`'s process group and every process under it: hydra starts each rank in a
+    session of its own, which a group kill misses (a rank hung in MPI_Finalize lived on)."""
+    import psutil
+
+    try:
+        procs = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        procs = []
+    os.killpg(pid, signal.SIGKILL)
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
 def nbdist_run(tmp_path, body: str, n: int, *extra: str, timeout: float = 180):
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(body))
@@ -47,7 +64,7 @@ def nbdist_run(tmp_path, body: str, n: int, *extra: str, timeout: float = 180):
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         tree = _process_tree(proc.pid)  # where it hung, before the kill removes it
-        os.killpg(proc.pid, signal.SIGKILL)
+        _kill_tree(proc.pid)
         out, err = proc.communicate()
         pytest.fail(f"nbdist run did not finish in {timeout} s\n{out}\n{err}\n{tree}")
     return proc.returncode, out, err
