@@ -380,10 +380,9 @@ def _allreduce(array, op, name: str | None, prescale: float, postscale: float, p
     thread with no Request: in one native call (the express table), else through
     Engine.express."""
     if _express_first(array, wait):  # an op the response cache knows, in one native call
-        done = try_express_allreduce(array, op, name, prescale, postscale, process_set, inplace,
-                                     wait)
+        done = _native_allreduce(array, op, name, prescale, postscale, process_set, inplace)
         if done is not None:
-            return done if wait else _as_handle(ALLREDUCE, name, done)
+            return _native_done(ALLREDUCE, name, array, inplace, done, wait)
     what = "allreduce_" if inplace else "allreduce"
     engine, _ = process_sets.resolve(process_set, what)
     if inplace and _device_of(array) != "cpu":
@@ -426,8 +425,8 @@ def _express(engine, kind: str, name, array: np.ndarray, inplace: bool, op=0,
 
 def try_express_allreduce(array, op, name: str | None, prescale: float, postscale: float,
                           process_set, inplace: bool, wait: bool = True):
-    """A synchronous allreduce's result through the native express table (the first thing
-    allreduce and allreduce_ try, and torch's for a plain CPU tensor), or None when the
+    """A synchronous allreduce's result through the native express table (torch's first
+    try for a plain CPU tensor; _allreduce makes the same call itself), or None when the
     table did not take it: nothing was done, and the caller goes the checked way. Without
     `wait` (a small async allreduce) the result, or the Handle of an op that waits."""
     done = _native_allreduce(array, op, name, prescale, postscale, process_set, inplace)
