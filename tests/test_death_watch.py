@@ -42,7 +42,9 @@ def wait_for(path):
         time.sleep(0.01)
 wait_for(work / "paths.json")
 paths = {int(k): v for k, v in json.loads((work / "paths.json").read_text()).items()}
-(work / f"held-{rank}").write_text(str(hold_death_pipe(paths)))
+held = work / f".held-{rank}"  # renamed into place: the test never reads it half written
+held.write_text(str(hold_death_pipe(paths)))
+held.replace(work / f"held-{rank}")
 wait_for(work / "go")
 if rank == 1:
     os.kill(os.getpid(), signal.SIGKILL)
@@ -67,13 +69,19 @@ def one_death(work: Path, n: int, fifo_dirs: set[Path], hold: bool = True) -> tu
 
         def connect(paths_by_pid: dict[int, str]) -> None:
             fifo_dirs.update(Path(p).parent for p in paths_by_pid.values())
-            (work / "paths.json").write_text(json.dumps(paths_by_pid if hold else {}))
+            # renamed into place: a rank that saw an empty paths.json failed on it once (CI)
+            (work / ".paths.json").write_text(json.dumps(paths_by_pid if hold else {}))
+            (work / ".paths.json").replace(work / "paths.json")
             deadline = time.monotonic() + 60
             while len(list(work.glob("held-*"))) < n:
+                assert proc.poll() is None, "mpiexec ended before every rank held its FIFO"
                 assert time.monotonic() < deadline, "the ranks did not open their FIFOs"
                 time.sleep(0.01)
 
-        watch = DeathWatch(pids, connect=connect)
+        watch = DeathWatch(pids, connect=connect)  # connect's failures are swallowed there
+        held = {r: work / f"held-{r}" for r in range(n)}
+        missing = [r for r, f in held.items() if not f.exists()]
+        assert not missing, f"ranks {missing} did not hold their FIFOs (mpiexec: {proc.poll()})"
         assert all((work / f"held-{r}").read_text() == str(hold) for r in range(n))
         # MPI's segments of ranks killed with SIGKILL are left in /dev/shm: removed below
         segments = segments_of([psutil.Process(pid) for pid in pids.values()])

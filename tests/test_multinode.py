@@ -398,7 +398,8 @@ def test_kernel_killed_leaves_nothing_on_any_host(hosts, tmp_path):
          "from nbdist.notebook.cluster import DistCluster\n"
          "c = DistCluster()\n"
          "c.start(4, 'ssh', ['h1:2', 'h2:2'])\n"
-         f"open({str(ready)!r}, 'w').write(' '.join(i.host for _, i in sorted(c.ranks.items())))\n"
+         f"open({str(ready)!r} + '.part', 'w').write(' '.join(i.host for _, i in sorted(c.ranks.items())))\n"
+         f"import os; os.replace({str(ready)!r} + '.part', {str(ready)!r})\n"
          "time.sleep(600)\n"],
         env={**os.environ, **hosts.env()}, cwd=ROOT, stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
