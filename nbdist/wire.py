@@ -7,7 +7,9 @@ pulls in the notebook side and a key is spelled in one place.
   notebook side): STATE_KEY holds the rank's latest state, HISTORY_PREFIX + index one point
   of rank 0's metric history.
 - Errors under `nbdist run`: a failing rank writes one JSON record per rank into the folder
-  named by REPORT_DIR_ENV; the launcher reads them back after mpiexec exits.
+  named by REPORT_DIR_ENV; the launcher reads them back after mpiexec exits. Every rank
+  also writes a start record (its pid and host) and, once its script returns, a done record:
+  the launcher watches its host's ranks with them (nbdist.mpi.exits).
 - Hosts: LAUNCH_HOST_ENV names the launcher's host; a rank on another host has a segment
   keeper (nbdist.mpi.segment_keeper) that writes a death record when the rank exits.
 """
@@ -45,6 +47,26 @@ def write_death_record(folder: str, rank: int, host: str, when: float | None, si
 def read_death_records(folder: str) -> list[dict]:
     """Every death record in the folder."""
     return _read_all(folder, "death-*.json")
+
+
+def write_start_record(folder: str, rank: int, pid: int, host: str) -> None:
+    """A rank of `nbdist run` started as process `pid` on `host` (see nbdist.mpi.exits)."""
+    _write_atomic(folder, f"pid-{rank}.json", {"rank": rank, "pid": pid, "host": host})
+
+
+def read_start_records(folder: str) -> list[dict]:
+    """Every start record in the folder."""
+    return _read_all(folder, "pid-*.json")
+
+
+def write_done_record(folder: str, rank: int) -> None:
+    """A rank's script returned: its process may now end without a word to anyone."""
+    _write_atomic(folder, f"done-{rank}.json", {"rank": rank})
+
+
+def read_done_ranks(folder: str) -> set[int]:
+    """The ranks whose script returned."""
+    return {int(rec["rank"]) for rec in _read_all(folder, "done-*.json")}
 
 
 def _write_atomic(folder: str, name: str, record: dict) -> None:

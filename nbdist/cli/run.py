@@ -22,6 +22,7 @@ from pathlib import Path
 from ..failure import FailureReport, RankError, blame, died_headline, primary_cause, raised_headline, rank_ranges
 from ..mpi.hosts import (HostsError, LinkWatch, banner_deaths, check_slots, hydra_ssh_args,
                          in_slurm_allocation, lost_host_line, parse_hosts, placement, remote_death_line)
+from ..mpi.exits import RankExits
 from ..mpi.hydra import decode_wait_status, mpiexec_path, parse_exit_codes
 from ..mpi.reaper import remove_orphan_segments
 from ..wire import LAUNCH_HOST_ENV, REPORT_DIR_ENV, read_death_records, read_error_records
@@ -130,14 +131,15 @@ def run_script(script: str, args: list[str] | None = None, n: int = 1, timeout: 
     pump.start()
     timed_out = interrupted = False
     watch = LinkWatch(proc.pid, [h for h, _ in slots]) if slots else None
+    exits = RankExits(report_dir, run_env[LAUNCH_HOST_ENV], n)
     lost: list[str] = []
+    unreported: dict[int, int | None] = {}
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
         while True:
-            step = 0.5 if watch is not None else None  # how often to look at the ssh links
+            step = 0.5  # how often to look at the ranks' ends and the ssh links
             if deadline is not None:
-                left = max(0.0, deadline - time.monotonic())
-                step = left if step is None else min(step, left)
+                step = min(step, max(0.0, deadline - time.monotonic()))
             try:
                 proc.wait(timeout=step)
                 break
@@ -151,9 +153,15 @@ def run_script(script: str, args: list[str] | None = None, n: int = 1, timeout: 
             if lost:  # a host's ssh link ended while mpiexec runs: its ranks are gone
                 _stop(proc)
                 break
+            unreported = exits.unexplained()
+            if unreported:  # a rank died and mpiexec did not act on it: its peers may wait for ever
+                _stop(proc)
+                break
     except KeyboardInterrupt:
         interrupted = True
         _stop(proc)
+    finally:
+        exits.stop(kill=timed_out or interrupted or bool(lost) or bool(unreported))
     pump.join(PUMP_WAIT_S)
     if pump.is_alive() and not any("Exit codes:" in line for line in list(captured)):
         # A loaded machine: mpiexec's exit-code report may still sit in the pipe.
@@ -162,7 +170,7 @@ def run_script(script: str, args: list[str] | None = None, n: int = 1, timeout: 
     remove_orphan_segments(started)
     try:
         return _summarise(proc.returncode, "".join(captured), report_dir, n, timeout, timed_out,
-                          interrupted, started, slots, lost)
+                          interrupted, started, slots, lost, unreported)
     finally:
         _remove_report_dir(report_dir, remote=bool(slots))
 
@@ -223,8 +231,14 @@ def _first_exits(report_dir: str, where: dict[str, list[int]]) -> dict[str, int]
     return first
 
 
+def _exit_code(status: int) -> int:
+    """This launcher's exit status for a rank's wait status, as a shell gives it: 128 + signal."""
+    return 128 + (status & 0x7F) if status & 0x7F else (status >> 8) or 1
+
+
 def _summarise(rc: int, output: str, report_dir: str, n: int, timeout, timed_out: bool,
-               interrupted: bool, started: float, slots=(), lost=()) -> int:
+               interrupted: bool, started: float, slots=(), lost=(), unreported=None) -> int:
+    unreported = unreported or {}
     errors = _read_reports(report_dir, interrupted_by_us=timed_out or interrupted or bool(lost))
     statuses = parse_exit_codes(output, placement(list(slots), n) if slots else None)
     reported = {e.rank for e in errors}
@@ -250,10 +264,15 @@ def _summarise(rc: int, output: str, report_dir: str, n: int, timeout, timed_out
     elif primary is not None:
         headline = raised_headline(primary)
         code = 1
+    elif unreported:  # ranks this launcher saw end while mpiexec ran on; it stopped the rest
+        status = {r: s if s is not None else statuses.get(r) for r, s in unreported.items()}
+        headline = died_headline({r: decode_wait_status(s) if s is not None else
+                                  "mpiexec did not report its exit status" for r, s in status.items()})
+        code = _exit_code(status[next(iter(status))] or 0x100)  # unknown: exit status 1
+        dead = {}
     elif dead:
         headline = died_headline({r: decode_wait_status(s) for r, s in dead.items()})
-        first_status = dead[min(dead)]
-        code = 128 + (first_status & 0x7F) if first_status & 0x7F else (first_status >> 8) or 1
+        code = _exit_code(dead[min(dead)])
         dead = {}
     elif banners:
         # across hosts hydra prints no exit-code report for a remote death: its banner names the
@@ -276,10 +295,13 @@ def _summarise(rc: int, output: str, report_dir: str, n: int, timeout, timed_out
         return 0
     for r, s in sorted(dead.items()):
         notes.append(f"rank {r} died ({decode_wait_status(s)})")
-    stopped = sorted(r for r in range(n) if r not in reported and r not in dead and statuses.get(r, 0))
+    # the others: stopped by MPI (a nonzero status in its report), or by us after an unreported death
+    stopped = sorted(r for r in range(n) if r not in reported and r not in dead and r not in unreported
+                     and (statuses.get(r, 0) or unreported))
     if stopped and not timed_out:
         notes.append(f"rank{'s' if len(stopped) != 1 else ''} {rank_ranges(stopped)} "
-                     f"{'were' if len(stopped) != 1 else 'was'} stopped by MPI after the failure")
+                     f"{'were' if len(stopped) != 1 else 'was'} stopped by {'nbdist run' if unreported else 'MPI'}"
+                     " after the failure")
     report = FailureReport(headline, primary, others, notes)
     color = sys.stderr.isatty()
     print("\n".join(report.lines(color=color)), file=sys.stderr, flush=True)
