@@ -33,7 +33,7 @@ class RankExits:
     def __init__(self, folder: str, host: str, ranks: int):
         self._folder = folder
         self._host = host
-        self._ranks = ranks  # at most this many records to adopt
+        self._ranks = ranks  # the run's ranks: start records to look for
         self._seen: set[int] = set()
         self._watched: dict[int, tuple[int, int]] = {}  # pidfd -> (rank, pid)
         self._gone: dict[int, tuple[float, int | None]] = {}  # rank -> (when seen, wait status)
@@ -48,9 +48,11 @@ class RankExits:
         assert self._epoll is not None
         for rec in read_start_records(self._folder):
             rank = int(rec["rank"])
-            if rank in self._seen or rec.get("host") != self._host:
+            if rank in self._seen:
                 continue
-            self._seen.add(rank)
+            self._seen.add(rank)  # every host's: once all have started, no more looking
+            if rec.get("host") != self._host:
+                continue
             try:
                 fd = os.pidfd_open(int(rec["pid"]))
             except OSError:  # already gone (and reaped) before we looked
