@@ -7,7 +7,7 @@ pid; when the kernel is gone it kills the cluster's process trees, removes the
 MPI shared-memory segments they left behind and the private profile directory.
 It exits by itself once the cluster's processes are gone (a normal stop).
 
-Usage: python -m nbdist.mpi.reaper KERNEL_PID KERNEL_START_TIME PROFILE_DIR START_TIME PID...
+Usage: python -m nbdist.mpi.reaper KERNEL_PID KERNEL_START_TIME PROFILE_DIR START_TIME PID@START_TIME...
 """
 from __future__ import annotations
 
@@ -36,12 +36,15 @@ def _alive(pid: int, create_time: float | None = None) -> bool:
         return False
 
 
-def process_trees(pids: list[int]) -> list[psutil.Process]:
-    """The processes and all their descendants (collect before killing: orphans lose their parent)."""
+def process_trees(pids: list[int] | list[psutil.Process]) -> list[psutil.Process]:
+    """The processes and all their descendants (collect before killing: orphans lose their parent).
+    A psutil.Process given is taken only while it is still that process (its pid not reused)."""
     procs: list[psutil.Process] = []
     for pid in pids:
         try:
-            root = psutil.Process(pid)
+            root = pid if isinstance(pid, psutil.Process) else psutil.Process(pid)
+            if not root.is_running():  # gone, or its pid now another process's
+                continue
         except psutil.Error:
             continue
         try:
@@ -173,7 +176,9 @@ def orphan_segments(since: float, known: set[str] | None = None) -> list[str]:
 def main(argv: list[str]) -> int:
     kernel_pid, kernel_start = int(argv[0]), float(argv[1])
     profile_dir, since = argv[2], float(argv[3])
-    pids = [int(p) for p in argv[4:]]
+    # PID@START_TIME: this machine's pids wrap at 32768, and a watchdog that outlived its
+    # cluster's processes once killed a rank of the next cluster (CI) that got one's pid
+    pids = [p for p in map(_watched, argv[4:]) if p is not None]
     # Ignore Ctrl-C aimed at the kernel's process group: we must outlive a kernel interrupt.
     import signal
 
@@ -181,7 +186,7 @@ def main(argv: list[str]) -> int:
     seen: set[str] = set()  # every segment the ranks mapped so far (they create some late)
     polls = 0
     while True:
-        if not any(_alive(pid) for pid in pids):
+        if not any(_alive(p.pid, p.create_time()) for p in pids):
             # Stopped by its owner, who removes the segments; but the kernel may be killed
             # mid-stop (jupyter_client's shutdown grace ends), so sweep what is left
             # unheld. A segment still mapped by a live process is never touched.
@@ -199,6 +204,23 @@ def main(argv: list[str]) -> int:
     remove_orphan_segments(since, known=segments, settle_s=SETTLE_S)
     shutil.rmtree(profile_dir, ignore_errors=True)
     return 0
+
+
+def watched_arg(proc: psutil.Process) -> str:
+    """A process as main() takes it: PID@START_TIME."""
+    return f"{proc.pid}@{proc.create_time()!r}"
+
+
+def _watched(arg: str) -> psutil.Process | None:
+    """The process PID@START_TIME names, or None when that pid is now another's (or gone)."""
+    pid, _, start = arg.partition("@")
+    try:
+        proc = psutil.Process(int(pid))
+        if start and abs(proc.create_time() - float(start)) > 1.0:
+            return None
+        return proc
+    except (psutil.Error, ValueError):
+        return None
 
 
 if __name__ == "__main__":

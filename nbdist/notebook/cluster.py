@@ -386,9 +386,15 @@ class DistCluster:
 
     def _start_watchdog(self) -> None:
         pids = [self.cluster.controller.process.pid] + [p.pid for p in self._mpiexec_procs()]
+        watched = []
+        for pid in pids:
+            try:
+                watched.append(reaper.watched_arg(psutil.Process(pid)))
+            except psutil.Error:  # already gone: nothing of it to reap
+                pass
         me = psutil.Process()
         cmd = [sys.executable, "-m", "nbdist.mpi.reaper", str(os.getpid()), repr(me.create_time()),
-               str(self._profile_dir), repr(self._started_at), *map(str, pids)]
+               str(self._profile_dir), repr(self._started_at), *watched]
         self._watchdog = subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL,
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
