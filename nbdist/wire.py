@@ -37,11 +37,11 @@ def read_error_records(folder: str) -> list[dict]:
     return _read_all(folder, "rank-*.json")
 
 
-def write_death_record(folder: str, rank: int, host: str, when: float | None, since: float) -> None:
-    """A rank on another host was seen exiting at `when` (written by its segment keeper, which
-    watched it from `since`; when=None: it was gone before that): hydra's banner names only
-    the host, the records there name the rank."""
-    _write_atomic(folder, f"death-{rank}.json", {"rank": rank, "host": host, "time": when, "since": since})
+def write_death_record(folder: str, rank: int, host: str, alive: list[int]) -> None:
+    """A rank on another host was seen gone (by its segment keeper) while the ranks `alive` of
+    that host still ran: hydra's banner names only the host; a rank seen gone while every
+    other rank there still ran is the one that died first."""
+    _write_atomic(folder, f"death-{rank}.json", {"rank": rank, "host": host, "alive": sorted(alive)})
 
 
 def read_death_records(folder: str) -> list[dict]:

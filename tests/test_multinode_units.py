@@ -62,19 +62,18 @@ def test_remote_death_is_the_cause_not_the_local_ranks_hydra_killed(tmp_path, ca
 
 
 def test_death_records_name_a_rank_only_when_certain(tmp_path):
-    """nbdist run names the first rank to exit on a host only from complete, unambiguous
-    segment-keeper records: the killed rank found already gone by a late keeper is not
-    mistaken for the rank hydra's clean-up killed later."""
+    """nbdist run names the first rank to die on a host only when its segment keeper saw every
+    other rank there still running: a keeper that woke late (after hydra's clean-up killed the
+    others) names no one, and the rank killed after it is never taken for the first."""
     from nbdist.cli.run import _first_exits
     from nbdist.wire import write_death_record
 
     where = {"h1": [0, 1], "h2": [2, 3]}
-    write_death_record(str(tmp_path), 3, "h2", 100.000, 90.0)
-    write_death_record(str(tmp_path), 2, "h2", 100.006, 90.0)
-    assert _first_exits(str(tmp_path), where) == {"h2": 3}
-    write_death_record(str(tmp_path), 3, "h2", None, 100.1)  # its keeper came late: gone by then
+    write_death_record(str(tmp_path), 2, "h2", [])  # killed by hydra after rank 3: 3 was gone
     assert _first_exits(str(tmp_path), where) == {}
-    write_death_record(str(tmp_path), 3, "h2", None, 99.0)  # gone before rank 2's exit was seen
+    write_death_record(str(tmp_path), 3, "h2", [])  # its keeper woke late, when 2 was gone too
+    assert _first_exits(str(tmp_path), where) == {}
+    write_death_record(str(tmp_path), 3, "h2", [2])  # 2 still ran when 3 was seen gone
     assert _first_exits(str(tmp_path), where) == {"h2": 3}
-    write_death_record(str(tmp_path), 0, "h1", 100.01, 90.0)  # h1's rank 1 has no record yet
+    write_death_record(str(tmp_path), 0, "h1", [])  # h1's rank 1 was gone too: not certain
     assert "h1" not in _first_exits(str(tmp_path), where)

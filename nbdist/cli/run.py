@@ -212,22 +212,15 @@ def _read_reports(report_dir: str, interrupted_by_us: bool) -> list[RankError]:
 
 
 def _first_exits(report_dir: str, where: dict[str, list[int]]) -> dict[str, int]:
-    """host -> the rank that exited first there, from the segment keepers' death records; a
-    host is left out while that is not certain (a rank without a record, or one that was
-    gone before its keeper watched it, unless that was before every exit seen live)."""
-    by_host: dict[str, dict[int, dict]] = {}
-    for rec in read_death_records(report_dir):
-        by_host.setdefault(rec["host"], {})[rec["rank"]] = rec
+    """host -> the rank that died first there: the one whose segment keeper, when it saw the
+    rank gone, saw every other rank of the host still running. A host is left out when no
+    record says so (the keepers came after the others died too): never a guessed rank."""
     first = {}
-    for host, recs in by_host.items():
-        if sorted(recs) != sorted(where.get(host, [])):
-            continue
-        live = {r: rec["time"] for r, rec in recs.items() if rec.get("time") is not None}
-        early = [r for r, rec in recs.items() if rec.get("time") is None]
-        if not early and live:
-            first[host] = min(live, key=lambda r: (live[r], r))
-        elif len(early) == 1 and all(recs[early[0]]["since"] < t for t in live.values()):
-            first[host] = early[0]
+    for rec in read_death_records(report_dir):
+        host, rank = str(rec.get("host")), int(rec.get("rank", -1))
+        others = set(where.get(host, [])) - {rank}
+        if others and others <= set(rec.get("alive", [])):
+            first[host] = rank
     return first
 
 

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 
-from ..wire import write_death_record
+from ..wire import read_start_records, write_death_record
 from .reaper import SETTLE_S, remove_orphan_segments, segments_of
 
 FIRST_LOOK_S = 0.5
@@ -34,7 +34,7 @@ def start_if_remote(watcher_host: str | None, report_dir: str | None = None,
     """Spawn the keeper for the calling rank when it runs on another host than the side that
     watches it (the notebook kernel, `nbdist run`), whose own sweep cannot reach here.
     In its own session: MPI's clean-up kills the rank's process group, and the keeper must
-    outlive the rank. With report_dir (`nbdist run`), it records there when the rank exited.
+    outlive the rank. With report_dir (`nbdist run`), it records there which ranks still ran when its rank exited.
     Never raises."""
     if not watcher_host or watcher_host == socket.gethostname():
         return
@@ -85,29 +85,42 @@ def keep(pid: int, since: float, settle_s: float = SETTLE_S, report_dir: str | N
         return remove_orphan_segments(since)
     seen: set[str] = set()
     look = FIRST_LOOK_S
-    since = time.time()  # from now on an exit is seen as it happens
-    try:
-        live = proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        live = False
     while True:
         seen |= segments_of([proc])
         if _wait_for_exit(pid, look):
             break
         look = min(look * 2, MAX_LOOK_S)
-    _record_death(report_dir, rank, time.time() if live else None, since)
+    _record_death(report_dir, rank)
     return remove_orphan_segments(since, known=seen, settle_s=settle_s)
 
 
-def _record_death(report_dir: str | None, rank: int | None, when: float | None, since: float) -> None:
-    """Under `nbdist run`, tell the launcher when this rank exited (its report folder is in
-    the shared working directory): hydra's banner names only the host of a death. `when` is
-    None when the rank was gone before the keeper watched it (at some time before `since`)."""
-    if report_dir and rank is not None:
-        try:
-            write_death_record(report_dir, rank, socket.gethostname(), when, since)
-        except OSError:  # the run is over and its folder gone: nobody asks any more
-            pass
+def _record_death(report_dir: str | None, rank: int | None) -> None:
+    """Under `nbdist run`, tell the launcher which ranks of this host still ran when this one
+    was seen gone (its report folder is in the shared working directory): hydra's banner names
+    only the host of a death. Which ranks still run, not when this keeper woke: on a loaded
+    machine a keeper wakes late, and the rank MPI killed after the first death was once named
+    first from wake-up times (CI)."""
+    if not report_dir or rank is None:
+        return
+    host = socket.gethostname()
+    alive = []
+    try:
+        for rec in read_start_records(report_dir):
+            if rec.get("host") == host and rec.get("rank") != rank and _running(int(rec["pid"])):
+                alive.append(int(rec["rank"]))
+        write_death_record(report_dir, rank, host, alive)
+    except OSError:  # the run is over and its folder gone: nobody asks any more
+        pass
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return not _is_zombie(pid)
 
 
 def main(argv: list[str]) -> int:
