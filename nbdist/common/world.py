@@ -23,6 +23,7 @@ import json
 import os
 import time
 
+from ..mpi.deaths import pid_alive
 from .config import env_path
 
 ELASTIC_DIR_ENV = "NBDIST_ELASTIC_DIR"
@@ -85,19 +86,6 @@ def published_generation() -> int:
     return int(plan["generation"]) if plan else generation()
 
 
-def pid_alive(pid: int) -> bool:
-    """True while the process runs (a zombie - killed, not yet reaped - counts as dead)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 def lost_members(pids: list[int]) -> list[int]:

@@ -55,6 +55,21 @@ def zombie_wait_status(pid: int) -> int | None:
         return None
 
 
+def pid_alive(pid: int) -> bool:
+    """True while the process runs (a zombie - killed, not yet reaped - counts as dead)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
 def fifo_path(directory: str, rank: int) -> str:
     return os.path.join(directory, f"rank-{rank}")
 

@@ -23,6 +23,7 @@ import sys
 import time
 
 from ..wire import read_start_records, write_death_record
+from .deaths import pid_alive
 from .reaper import SETTLE_S, remove_orphan_segments, segments_of
 
 FIRST_LOOK_S = 0.5
@@ -106,21 +107,11 @@ def _record_death(report_dir: str | None, rank: int | None) -> None:
     alive = []
     try:
         for rec in read_start_records(report_dir):
-            if rec.get("host") == host and rec.get("rank") != rank and _running(int(rec["pid"])):
+            if rec.get("host") == host and rec.get("rank") != rank and pid_alive(int(rec["pid"])):
                 alive.append(int(rec["rank"]))
         write_death_record(report_dir, rank, host, alive)
     except OSError:  # the run is over and its folder gone: nobody asks any more
         pass
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return not _is_zombie(pid)
 
 
 def main(argv: list[str]) -> int:
