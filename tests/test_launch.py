@@ -125,6 +125,7 @@ def test_rank_death_is_named_with_exit_status(tmp_path):
     else:
         assert rc == 7, out + err
         assert "rank 1 died (exit status 7)" in err
+    assert "rank 1 was stopped" not in err, err  # the dead rank is not among those stopped after it
 
 
 def test_a_death_mpiexec_misses_still_ends_the_run(tmp_path):

@@ -244,6 +244,7 @@ def _summarise(rc: int, output: str, report_dir: str, n: int, timeout, timed_out
         # SIGKILLed in its clean-up after the remote death that its banner names: not causes.
         dead = {}
     notes = []
+    named: set[int] = set()  # the ranks the headline names as dead
     if timed_out:
         headline = f"the run took longer than --timeout {timeout:g} s; every rank was stopped"
         code = TIMEOUT_EXIT
@@ -262,11 +263,11 @@ def _summarise(rc: int, output: str, report_dir: str, n: int, timeout, timed_out
         headline = died_headline({r: decode_wait_status(s) if s is not None else
                                   "mpiexec did not report its exit status" for r, s in status.items()})
         code = _exit_code(status[next(iter(status))] or 0x100)  # unknown: exit status 1
-        dead = {}
+        named, dead = set(unreported), {}
     elif dead:
         headline = died_headline({r: decode_wait_status(s) for r, s in dead.items()})
         code = _exit_code(dead[min(dead)])
-        dead = {}
+        named, dead = set(dead), {}
     elif banners:
         # across hosts hydra prints no exit-code report for a remote death: its banner names the
         # host, and the first exit its ranks' segment keepers recorded there names the rank
@@ -289,7 +290,7 @@ def _summarise(rc: int, output: str, report_dir: str, n: int, timeout, timed_out
     for r, s in sorted(dead.items()):
         notes.append(f"rank {r} died ({decode_wait_status(s)})")
     # the others: stopped by MPI (a nonzero status in its report), or by us after an unreported death
-    stopped = sorted(r for r in range(n) if r not in reported and r not in dead and r not in unreported
+    stopped = sorted(r for r in range(n) if r not in reported and r not in dead and r not in named
                      and (statuses.get(r, 0) or unreported))
     if stopped and not timed_out:
         notes.append(f"rank{'s' if len(stopped) != 1 else ''} {rank_ranges(stopped)} "
