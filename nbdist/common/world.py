@@ -86,8 +86,6 @@ def published_generation() -> int:
     return int(plan["generation"]) if plan else generation()
 
 
-
-
 def lost_members(pids: list[int]) -> list[int]:
     """For a driver: the indices of the members whose process is gone. After seeing a first
     death it waits SETTLE_S and looks again, so kills close together make one resize (the

@@ -94,12 +94,12 @@ class RankExits:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(2.0)
-        for fd in list(self._watched) if kill else []:
-            try:
-                signal.pidfd_send_signal(fd, signal.SIGKILL)  # the rank itself, never a reused pid
-            except OSError:
-                pass
-        for fd in list(self._watched):
+        for fd in self._watched:
+            if kill:
+                try:
+                    signal.pidfd_send_signal(fd, signal.SIGKILL)  # the rank itself, never a reused pid
+                except OSError:
+                    pass
             os.close(fd)
         self._watched.clear()
         if self._epoll is not None:

@@ -35,8 +35,8 @@ def start_if_remote(watcher_host: str | None, report_dir: str | None = None,
     """Spawn the keeper for the calling rank when it runs on another host than the side that
     watches it (the notebook kernel, `nbdist run`), whose own sweep cannot reach here.
     In its own session: MPI's clean-up kills the rank's process group, and the keeper must
-    outlive the rank. With report_dir (`nbdist run`), it records there which ranks still ran when its rank exited.
-    Never raises."""
+    outlive the rank. With report_dir (`nbdist run`), it records there which ranks of this
+    host still ran when its rank exited. Never raises."""
     if not watcher_host or watcher_host == socket.gethostname():
         return
     try:

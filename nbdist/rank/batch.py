@@ -25,8 +25,7 @@ from ..mpi.segment_keeper import start_if_remote
 from ..wire import LAUNCH_HOST_ENV, REPORT_DIR_ENV, write_done_record, write_error_record, write_start_record
 
 
-def _report(rank: int, exc: BaseException, tb_lines: list[str]) -> None:
-    folder = env_path(REPORT_DIR_ENV.removeprefix("NBDIST_"))
+def _report(folder: str | None, rank: int, exc: BaseException, tb_lines: list[str]) -> None:
     if not folder:
         sys.stderr.write("".join(tb_lines))
         return
@@ -73,10 +72,10 @@ def main(argv: list[str]) -> int:
             _done(folder, rank)
             return 0
         code = exc.code if isinstance(exc.code, int) else 1
-        _report(rank, exc, [f"SystemExit: {exc.code}\n"])
+        _report(folder, rank, exc, [f"SystemExit: {exc.code}\n"])
         _finish(rank, exc, code)
     except BaseException as exc:
-        _report(rank, exc, _user_frames(exc))
+        _report(folder, rank, exc, _user_frames(exc))
         _finish(rank, exc, 130 if isinstance(exc, KeyboardInterrupt) else 1)
     _done(folder, rank)
     return 0
