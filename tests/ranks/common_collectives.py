@@ -336,10 +336,15 @@ def test_root_mismatch():
 
 
 def test_name_in_flight_twice():
-    h = hvd.allreduce_async(np.ones(2), name="twice")
+    # The others submit only after the barrier, so rank 0's first op cannot finish before its
+    # second try: submitted together, it could (4 ranks on 2 cores), and the try was then legal.
     if RANK == 0:
+        h = hvd.allreduce_async(np.ones(2), name="twice")
         with pytest.raises(ValueError, match="submitted twice"):
             hvd.allreduce_async(np.ones(2), name="twice")
+    hvd.barrier()
+    if RANK != 0:
+        h = hvd.allreduce_async(np.ones(2), name="twice")
     # refused on the submitting rank only (Horovod): the op in flight completes
     assert hvd.synchronize(h).tolist() == [1.0, 1.0]
     works("twice")
