@@ -8,10 +8,13 @@ owner's buffer). Which is faster depends on size, on rank count and on whether e
 starts with the ranks in step: through the API every op follows its agreement vote, so
 no rank is still finishing the last op when the next begins, unlike a loop of raw
 transport calls. This measures the API's ops (named, cached: the express path) with one
-transport switched between the two paths between rounds (every rank at once, after a
+transport switched between the paths between rounds (every rank at once, after a
 barrier), beside mpi4py's Allgather and Bcast in the same rounds. Reported per size
 (bytes per rank): the slowest rank's mean µs per call, median of rounds, and the
-CMA/slots and slots|CMA/mpi4py time ratios. docs/native.md has the figures and the
+CMA/slots, CMA+vote/CMA and best/mpi4py time ratios. "CMA+vote": the agreement's vote
+carries each rank's address, so the single-copy op needs no synchronisation of its own
+before the reads (ShmComm::vote_allgatherv / vote_broadcast, the default); "CMA": the op
+syncs on its data segment after the vote. docs/native.md has the figures and the
 thresholds chosen from them (NBDIST_SHM_CMA_BYTES, NBDIST_SHM_CMA_ALLGATHER_BYTES).
 """
 from __future__ import annotations
@@ -42,7 +45,10 @@ def main(argv=None) -> int:
         nb.shutdown()
         return 1
     native = transport._native
-    modes = {"slots": (0, 0), "CMA": (1, 1)}  # (broadcast, allgather) thresholds in bytes
+    vote = nb.basics.engine().agreement.native
+    # (broadcast, allgather) thresholds in bytes, and whether the vote carries a CMA op's
+    # addresses ("CMA": the op's own syncs on the data segment after the vote)
+    modes = {"slots": (0, 0, False), "CMA": (1, 1, False), "CMA+vote": (1, 1, True)}
 
     def timed(fn) -> float:
         fn()
@@ -74,7 +80,8 @@ def main(argv=None) -> int:
             order = list(modes) if r % 2 == 0 else list(modes)[::-1]
             for mode in order:
                 comm.Barrier()
-                native.set_cma_bytes(*modes[mode])
+                native.set_cma_bytes(*modes[mode][:2])
+                vote.set_vote_carries(modes[mode][2])
                 comm.Barrier()
                 for op, fn in cases.items():
                     rows.setdefault((op, size, mode), []).append(timed(fn))
@@ -83,13 +90,15 @@ def main(argv=None) -> int:
     if comm.rank == 0:
         print(f"cma_threshold: {comm.size} ranks, float32, {args.rounds} rounds (median); "
               "µs per call through the API")
-        print(f"{'op':11s} {'bytes/rank':>10s} {'slots':>9s} {'CMA':>9s} {'mpi4py':>9s} "
-              f"{'CMA/slots':>9s} {'best/mpi4py':>11s}")
+        print(f"{'op':11s} {'bytes/rank':>10s} {'slots':>9s} {'CMA':>9s} {'CMA+vote':>9s} "
+              f"{'mpi4py':>9s} {'CMA/slots':>9s} {'+vote/CMA':>9s} {'best/mpi4py':>11s}")
         for op in ("allgather", "broadcast_"):
             for size in sizes:
-                t = {m: statistics.median(rows[(op, size, m)]) for m in ("slots", "CMA", "mpi4py")}
-                print(f"{op:11s} {size:10d} {t['slots']:9.1f} {t['CMA']:9.1f} {t['mpi4py']:9.1f} "
-                      f"{t['CMA'] / t['slots']:9.2f} {min(t['slots'], t['CMA']) / t['mpi4py']:11.2f}")
+                t = {m: statistics.median(rows[(op, size, m)]) for m in (*modes, "mpi4py")}
+                best = min(t[m] for m in modes)
+                print(f"{op:11s} {size:10d} {t['slots']:9.1f} {t['CMA']:9.1f} "
+                      f"{t['CMA+vote']:9.1f} {t['mpi4py']:9.1f} {t['CMA'] / t['slots']:9.2f} "
+                      f"{t['CMA+vote'] / t['CMA']:9.2f} {best / t['mpi4py']:11.2f}")
     nb.shutdown()
     return 0
 

@@ -62,26 +62,18 @@ bool quiet_vote(const int32_t* v, int n, int64_t bit) {
   return true;
 }
 
-// An allreduce that may travel with the vote (ShmComm::vote); src nullptr: none.
-struct Packed {
-  const void* src = nullptr;
-  void* dst = nullptr;
-  size_t count = 0;
-  int dtype = nbdist::kI32;
-  int op = nbdist::kMin;
-  double factor = 1.0;
-};
-
 // A whole agreement cycle for the commonest case (nbdist/common/agreement.py): this rank's
 // only queued op is one cached op (cache bit `bit`). The vote is agree()'s; when it finds no
 // rank with items and that op ready everywhere, every rank runs that one op next (a rank with
 // more queued ops finds the same unit in Python), so it runs here, with no return to Python
-// between the vote and the bytes: in the vote itself when `packed` carries it (a small
-// allreduce: one synchronisation for both), else run_data() on the data segment. Returns
-// None when the op ran; else the vote's answer, as agree() returns it.
-template <class RunData>
-py::object agree_then(PyShm& s, int64_t bit, int64_t nbits, const Packed& packed, RunData run_data,
-                      double timeout_s, const StopHook& stop) {
+// between the vote and the bytes: in the vote itself when vote() packed it (a small
+// allreduce's data, or a single-copy op's address: one synchronisation for the vote and the
+// op's start), else run_data() on the data segment. vote(comm, words, may_run, ctx) is
+// ShmComm::vote or a twin, returning whether it ran the op; `what` names the call in its
+// errors. Returns None when the op ran; else the vote's answer, as agree() returns it.
+template <class Vote, class RunData>
+py::object agree_then(PyShm& s, int64_t bit, int64_t nbits, const char* what, Vote vote,
+                      RunData run_data, double timeout_s, const StopHook& stop) {
   const int n = s.comm().size();
   if (bit < 0 || bit >= nbits) throw py::value_error("agreement: cache bit out of range");
   std::vector<int32_t> vec = vote_words(n, nbits);
@@ -92,11 +84,8 @@ py::object agree_then(PyShm& s, int64_t bit, int64_t nbits, const Packed& packed
   // rank is not in). When the vote does not run the op, the caller publishes it again
   // (agreement.py, _after_vote).
   s.comm().publish_queued(0);
-  s.run("agreement", timeout_s, stop, [&](ShmComm& c, WaitContext& ctx) {
-    ran = c.vote(vec.data(), vec.size(), packed.src, packed.dst, packed.count, packed.dtype,
-                 packed.op, [&](const int32_t* v) { return quiet_vote(v, n, bit); }, ctx);
-    if (ran && packed.factor != 1.0)
-      nbdist::scale_in_place(packed.dst, packed.count, packed.dtype, packed.factor);
+  s.run(what, timeout_s, stop, [&](ShmComm& c, WaitContext& ctx) {
+    ran = vote(c, vec, [&](const int32_t* v) { return quiet_vote(v, n, bit); }, ctx);
   });
   if (ran) return py::none();
   if (!quiet_vote(vec.data(), n, bit)) {
@@ -112,41 +101,72 @@ py::object agree_then(PyShm& s, int64_t bit, int64_t nbits, const Packed& packed
   return py::none();
 }
 
+using MayRun = std::function<bool(const int32_t*)>;
+
+// The vote alone: nothing packed.
+bool plain_vote(ShmComm& c, std::vector<int32_t>& vec, const MayRun& may_run, WaitContext& ctx) {
+  return c.vote(vec.data(), vec.size(), nullptr, nullptr, 0, nbdist::kI32, nbdist::kMin, may_run, ctx);
+}
+
 py::object agree_allreduce(PyShm& s, int64_t bit, int64_t nbits, PyShm& data, const py::array& src,
                            const py::array& dst, size_t count, int dtype, int op, double factor,
                            double timeout_s, const StopHook& stop) {
   check_factor(dtype, factor);
-  Packed packed;
+  void* const from = data_of(src);
+  void* const to = data_of(dst);
   // Small enough to travel with the vote: then one synchronisation does both.
-  if (count * nbdist::dtype_size(dtype) <= s.comm().vote_room(vote_word_count(s.comm().size(), nbits)))
-    packed = {data_of(src), data_of(dst), count, dtype, op, factor};
-  return agree_then(s, bit, nbits, packed, [&]() {
-    data.run("allreduce", timeout_s, stop, [&, from = data_of(src), to = data_of(dst)](
-                                               ShmComm& c, WaitContext& ctx) {
-      reduce_scaled(c, from, to, count, dtype, op, factor, ctx);
-    });
-  }, timeout_s, stop);
+  const bool packs =
+      count * nbdist::dtype_size(dtype) <= s.comm().vote_room(vote_word_count(s.comm().size(), nbits));
+  return agree_then(s, bit, nbits, "agreement",
+      [&](ShmComm& c, std::vector<int32_t>& vec, const MayRun& may_run, WaitContext& ctx) {
+        if (!packs) return plain_vote(c, vec, may_run, ctx);
+        const bool ran = c.vote(vec.data(), vec.size(), from, to, count, dtype, op, may_run, ctx);
+        if (ran && factor != 1.0) nbdist::scale_in_place(to, count, dtype, factor);
+        return ran;
+      },
+      [&]() {
+        data.run("allreduce", timeout_s, stop, [&](ShmComm& c, WaitContext& ctx) {
+          reduce_scaled(c, from, to, count, dtype, op, factor, ctx);
+        });
+      }, timeout_s, stop);
 }
 
 py::object agree_allgather(PyShm& s, int64_t bit, int64_t nbits, PyShm& data, const py::array& send,
                            const py::array& recv, const std::vector<int64_t>& byte_counts,
                            double timeout_s, const StopHook& stop) {
-  return agree_then(s, bit, nbits, Packed{}, [&]() {
-    data.run("allgather", timeout_s, stop, [&, from = data_of(send), to = data_of(recv)](
-                                               ShmComm& c, WaitContext& ctx) {
-      c.allgatherv(from, to, byte_counts, ctx);
-    });
-  }, timeout_s, stop);
+  const void* const from = data_of(send);
+  void* const to = data_of(recv);
+  ShmComm& bytes = data.comm();
+  // Single-copy: the vote carries this rank's address, and the peers read once it is out.
+  const bool packs = s.comm().vote_carries() && bytes.wants_cma_allgatherv(byte_counts);
+  return agree_then(s, bit, nbits, packs ? "allgather" : "agreement",
+      [&](ShmComm& c, std::vector<int32_t>& vec, const MayRun& may_run, WaitContext& ctx) {
+        if (!packs) return plain_vote(c, vec, may_run, ctx);
+        return c.vote_allgatherv(vec.data(), vec.size(), from, to, byte_counts, may_run, bytes, ctx);
+      },
+      [&]() {
+        data.run("allgather", timeout_s, stop, [&](ShmComm& c, WaitContext& ctx) {
+          c.allgatherv(from, to, byte_counts, ctx);
+        });
+      }, timeout_s, stop);
 }
 
 py::object agree_broadcast(PyShm& s, int64_t bit, int64_t nbits, PyShm& data, const py::array& buf,
                            size_t nbytes, int root, double timeout_s, const StopHook& stop,
                            const void* src) {
-  return agree_then(s, bit, nbits, Packed{}, [&]() {
-    data.run("broadcast", timeout_s, stop, [&, p = data_of(buf)](ShmComm& c, WaitContext& ctx) {
-      c.broadcast(p, nbytes, root, ctx, src);
-    });
-  }, timeout_s, stop);
+  void* const p = data_of(buf);
+  ShmComm& bytes = data.comm();
+  const bool packs = s.comm().vote_carries() && bytes.wants_cma_broadcast(nbytes);
+  return agree_then(s, bit, nbits, packs ? "broadcast" : "agreement",
+      [&](ShmComm& c, std::vector<int32_t>& vec, const MayRun& may_run, WaitContext& ctx) {
+        if (!packs) return plain_vote(c, vec, may_run, ctx);
+        return c.vote_broadcast(vec.data(), vec.size(), p, nbytes, root, src, may_run, bytes, ctx);
+      },
+      [&]() {
+        data.run("broadcast", timeout_s, stop, [&](ShmComm& c, WaitContext& ctx) {
+          c.broadcast(p, nbytes, root, ctx, src);
+        });
+      }, timeout_s, stop);
 }
 
 // The express path's start (a synchronous cached op from the thread that waits for it,
@@ -216,6 +236,8 @@ void bind_shm(py::module_& m) {
       .def("set_cma_bytes", [](PyShm& s, size_t broadcast, size_t allgather) {
         s.comm().set_cma_bytes(broadcast, allgather);
       })
+      .def("set_vote_carries", [](PyShm& s, bool on) { s.comm().set_vote_carries(on); },
+           "An agreement segment's votes carry single-copy ops' addresses (default on).")
       .def("publish_queued", [](PyShm& s, int64_t v) { s.comm().publish_queued(v); })
       .def("peers_queued", [](PyShm& s) { return s.comm().peers_queued(); })
       .def("hold_activity", [](PyShm& s, bool on) { s.comm().hold_activity(on); },

@@ -194,24 +194,38 @@ size_t ShmComm::vote_room(size_t words) const {
 bool ShmComm::vote(int32_t* vec, size_t words, const void* src, void* dst, size_t count,
                    int dtype, int op, const std::function<bool(const int32_t*)>& may_run,
                    WaitContext& ctx) {
-  const size_t head = vote_head(words);
   const size_t bytes = src ? count * dtype_size(dtype) : 0;
   ReduceFn fn = src ? kernel_or_throw(dtype, op, ctx.what) : nullptr;
+  return vote_with(vec, words, src, bytes, may_run, [&](const std::vector<const char*>& packed) {
+    if (n_ == 1) {
+      if (src != dst) std::memcpy(dst, src, bytes);
+    } else if (count) {
+      std::vector<const void*> srcs(packed.begin(), packed.end());
+      fn(dst, srcs.data(), n_, count);
+    }
+  }, false, ctx);
+}
+
+bool ShmComm::vote_with(int32_t* vec, size_t words, const void* pack, size_t pack_bytes,
+                        const std::function<bool(const int32_t*)>& may_run, const PackedRun& run,
+                        bool wait_read, WaitContext& ctx, const std::function<void()>& meanwhile) {
+  const size_t head = vote_head(words);
   if (words == 0 || words * sizeof(int32_t) > std::min(slot_bytes_, small_bytes_))
     throw std::invalid_argument("shm vote: the words do not fit a slot");
-  if (src && bytes > vote_room(words))
+  if (pack && pack_bytes > vote_room(words))
     throw std::invalid_argument("shm vote: the packed data does not fit behind the words");
   check_not_aborted(ctx);
-  vec[words - 1] = src ? 1 : 0;  // the "packed" flag (the caller leaves the last word for it)
+  vec[words - 1] = pack ? 1 : 0;  // the "packed" flag (the caller leaves the last word for it)
   if (n_ == 1) {
-    if (!src || !may_run(vec)) return false;
-    if (src != dst) std::memcpy(dst, src, bytes);
+    if (!pack || !may_run(vec)) return false;
+    run({static_cast<const char*>(pack)});
+    if (meanwhile) meanwhile();
     return true;
   }
   int s = acquire_set(true, ctx);
   char* slot = seg_.slot(s, rank_);
   std::memcpy(slot, vec, words * sizeof(int32_t));
-  if (src) std::memcpy(slot + head, src, bytes);
+  if (pack && pack_bytes) std::memcpy(slot + head, pack, pack_bytes);
   uint64_t copied = next_phase();
   post(copied);
   wait_all(copied, ctx);
@@ -219,15 +233,92 @@ bool ShmComm::vote(int32_t* vec, size_t words, const void* src, void* dst, size_
   for (int p = 0; p < n_; ++p) srcs[p] = seg_.slot(s, p);
   reduce_kernel(kI32, kMin)(vec, srcs.data(), n_, words);
   bool ran = false;
-  if (src && vec[words - 1] == 1 && may_run(vec)) {
-    for (int p = 0; p < n_; ++p) srcs[p] = seg_.slot(s, p) + head;
-    if (count) fn(dst, srcs.data(), n_, count);
+  if (pack && vec[words - 1] == 1 && may_run(vec)) {
+    std::vector<const char*> packed(n_);
+    for (int p = 0; p < n_; ++p) packed[p] = seg_.slot(s, p) + head;
+    run(packed);
     ran = true;
   }
   uint64_t read = next_phase();
   post(read);
   release_set(s, read);
+  if (ran && meanwhile) meanwhile();
+  if (ran && wait_read) wait_all(read, ctx);
   return ran;
+}
+
+namespace {
+// The spin tuning of another comm, for the waits of one call (restored after it).
+class BorrowedSpin {
+ public:
+  BorrowedSpin(int& spin, int& yields, int with_spin, int with_yields)
+      : spin_(spin), yields_(yields), old_spin_(spin), old_yields_(yields) {
+    spin = with_spin;
+    yields = with_yields;
+  }
+  ~BorrowedSpin() {
+    spin_ = old_spin_;
+    yields_ = old_yields_;
+  }
+
+ private:
+  int &spin_, &yields_;
+  int old_spin_, old_yields_;
+};
+
+uintptr_t packed_address(const char* packed) {
+  uintptr_t a;
+  std::memcpy(&a, packed, sizeof a);
+  return a;
+}
+}  // namespace
+
+bool ShmComm::vote_allgatherv(int32_t* vec, size_t words, const void* send_, void* recv_,
+                              const std::vector<int64_t>& byte_counts,
+                              const std::function<bool(const int32_t*)>& may_run,
+                              const ShmComm& data, WaitContext& ctx) {
+  check_counts(byte_counts, n_, ctx.what);
+  char* recv = static_cast<char*>(recv_);
+  const std::vector<size_t> displ = prefix(byte_counts);
+  std::vector<char> copy;
+  const char* send = readable_send(static_cast<const char*>(send_), recv, byte_counts, displ, copy);
+  const size_t mine = static_cast<size_t>(byte_counts[rank_]);
+  char* const own = recv + displ[rank_];
+  const uintptr_t address = reinterpret_cast<uintptr_t>(send);
+  BorrowedSpin spin(spin_iters_, yield_iters_, data.spin_iters_, data.yield_iters_);
+  // The peers' parts first, then the own part while the slower peers still read from this
+  // rank (they wait for none of it; copied before the vote, it would hold up their reads).
+  return vote_with(vec, words, &address, sizeof address, may_run,
+                   [&](const std::vector<const char*>& packed) {
+                     read_parts(recv, byte_counts, displ,
+                                [&](int q) { return packed_address(packed[q]); }, ctx);
+                   }, true, ctx, [&]() {
+                     if (mine && send != own) std::memcpy(own, send, mine);
+                   });
+}
+
+bool ShmComm::vote_broadcast(int32_t* vec, size_t words, void* buf_, size_t bytes, int root,
+                             const void* src_, const std::function<bool(const int32_t*)>& may_run,
+                             const ShmComm& data, WaitContext& ctx) {
+  if (root < 0 || root >= n_) throw std::invalid_argument("shm broadcast: root out of range");
+  char* buf = static_cast<char*>(buf_);
+  const char* src = rank_ == root && src_ != buf_ ? static_cast<const char*>(src_) : nullptr;
+  const uintptr_t address = rank_ == root ? reinterpret_cast<uintptr_t>(src ? src : buf) : 0;
+  BorrowedSpin spin(spin_iters_, yield_iters_, data.spin_iters_, data.yield_iters_);
+  // Only the root waits for the readers (its buffer may change once it returns), making
+  // its own result from `src` meanwhile.
+  return vote_with(vec, words, &address, sizeof address, may_run,
+                   [&](const std::vector<const char*>& packed) {
+                     if (rank_ != root) read_peer(root, buf, packed_address(packed[root]), bytes, ctx);
+                   }, rank_ == root, ctx, [&]() {
+                     if (src) std::memcpy(buf, src, bytes);
+                   });
+}
+
+bool ShmComm::wants_cma_allgatherv(const std::vector<int64_t>& byte_counts) const {
+  return n_ > 1 && cma_gather_bytes_ &&
+         static_cast<size_t>(std::accumulate(byte_counts.begin(), byte_counts.end(), int64_t{0})) >=
+             cma_gather_bytes_;
 }
 
 // Large buffers: per chunk, copy in; each rank reduces its own slice (a
@@ -334,9 +425,7 @@ void ShmComm::allgatherv(const void* send_, void* recv_, const std::vector<int64
   check_not_aborted(ctx);
   const char* send = static_cast<const char*>(send_);
   char* recv = static_cast<char*>(recv_);
-  if (n_ > 1 && cma_gather_bytes_ &&
-      static_cast<size_t>(std::accumulate(byte_counts.begin(), byte_counts.end(), int64_t{0})) >= cma_gather_bytes_)
-    return allgatherv_cma(send, recv, byte_counts, ctx);
+  if (wants_cma_allgatherv(byte_counts)) return allgatherv_cma(send, recv, byte_counts, ctx);
   const std::vector<size_t> displ = prefix(byte_counts);
   const size_t mine = static_cast<size_t>(byte_counts[rank_]);
   char* const own = recv + displ[rank_];
@@ -488,19 +577,34 @@ void ShmComm::read_peer(int q, char* dst, uintptr_t src, size_t len, WaitContext
   }
 }
 
+const char* ShmComm::readable_send(const char* send, const char* recv,
+                                   const std::vector<int64_t>& byte_counts,
+                                   const std::vector<size_t>& displ, std::vector<char>& copy) const {
+  const size_t mine = static_cast<size_t>(byte_counts[rank_]);
+  const char* const own = recv + displ[rank_];
+  const size_t total = displ[n_ - 1] + static_cast<size_t>(byte_counts[n_ - 1]);
+  if (send == own || send >= recv + total || recv >= send + mine) return send;
+  copy.assign(send, send + mine);
+  return copy.data();
+}
+
+void ShmComm::read_parts(char* recv, const std::vector<int64_t>& byte_counts,
+                         const std::vector<size_t>& displ,
+                         const std::function<uintptr_t(int)>& address_of, WaitContext& ctx) {
+  for (int k = 1; k < n_; ++k) {  // start at a different peer on each rank
+    int q = (rank_ + k) % n_;
+    size_t len = static_cast<size_t>(byte_counts[q]);
+    if (len) read_peer(q, recv + displ[q], address_of(q), len, ctx);
+  }
+}
+
 void ShmComm::allgatherv_cma(const char* send, char* recv, const std::vector<int64_t>& byte_counts,
                              WaitContext& ctx) {
   const std::vector<size_t> displ = prefix(byte_counts);
   const size_t mine = static_cast<size_t>(byte_counts[rank_]);
   char* const own = recv + displ[rank_];
-  // The peers read `send` while this rank writes `recv`: a part that lies in `recv` but
-  // not at its own place (no API path passes one) is read from a copy instead.
   std::vector<char> copy;
-  const size_t total = displ[n_ - 1] + static_cast<size_t>(byte_counts[n_ - 1]);
-  if (send != own && send < recv + total && recv < send + mine) {
-    copy.assign(send, send + mine);
-    send = copy.data();
-  }
+  send = readable_send(send, recv, byte_counts, displ, copy);
   wait_all(scratch_free_, ctx);  // every rank has read my previous scratch value
   hdr_->ranks[rank_].scratch.store(static_cast<int64_t>(reinterpret_cast<uintptr_t>(send)),
                                    std::memory_order_relaxed);
@@ -508,13 +612,9 @@ void ShmComm::allgatherv_cma(const char* send, char* recv, const std::vector<int
   post(shared);  // seq_cst: publishes the address too
   if (mine && send != own) std::memcpy(own, send, mine);  // while the peers publish theirs
   wait_all(shared, ctx);
-  for (int k = 1; k < n_; ++k) {  // start at a different peer on each rank
-    int q = (rank_ + k) % n_;
-    size_t len = static_cast<size_t>(byte_counts[q]);
-    if (len)
-      read_peer(q, recv + displ[q],
-                static_cast<uintptr_t>(hdr_->ranks[q].scratch.load(std::memory_order_relaxed)), len, ctx);
-  }
+  read_parts(recv, byte_counts, displ, [&](int q) {
+    return static_cast<uintptr_t>(hdr_->ranks[q].scratch.load(std::memory_order_relaxed));
+  }, ctx);
   uint64_t done = next_phase();
   post(done);
   wait_all(done, ctx);

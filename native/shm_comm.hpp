@@ -104,6 +104,30 @@ class ShmComm {
             int op, const std::function<bool(const int32_t*)>& may_run, WaitContext& ctx);
   // Bytes of data vote() can pack behind `words` words.
   size_t vote_room(size_t words) const;
+  // vote() with a single-copy (CMA) allgatherv or broadcast behind it: each rank packs its
+  // buffer's address behind the words (a broadcast: the root's), and when the vote lets the
+  // op run, the peers read straight from it in the same call. The vote's synchronisation
+  // is then the op's first one as well (the address is out once every rank has voted), so
+  // the op costs one wait for the readers after it instead of two syncs on the data
+  // segment (address out, reads done). The call's waits use `data`'s spin tuning (the data
+  // segment's comm: the peers are already here, as for any data op after its vote). Same
+  // calling rules as vote(); pack only where `data` would move the op single-copy
+  // (wants_cma_*), so that no rank without CMA takes part in a CMA op.
+  bool vote_allgatherv(int32_t* vec, size_t words, const void* send, void* recv,
+                       const std::vector<int64_t>& byte_counts,
+                       const std::function<bool(const int32_t*)>& may_run, const ShmComm& data,
+                       WaitContext& ctx);
+  bool vote_broadcast(int32_t* vec, size_t words, void* buf, size_t bytes, int root,
+                      const void* src, const std::function<bool(const int32_t*)>& may_run,
+                      const ShmComm& data, WaitContext& ctx);
+  // On an agreement comm: whether its votes carry single-copy ops (vote_allgatherv,
+  // vote_broadcast) at all; off, those ops run on their data segment after the vote, as
+  // before 2026-12-07 (benchmarks/cma_threshold.py measures both). The same on every rank.
+  void set_vote_carries(bool on) { vote_carries_ = on; }
+  bool vote_carries() const { return vote_carries_; }
+  // Whether this comm moves an allgatherv of these counts, or a broadcast of `bytes`, by CMA.
+  bool wants_cma_allgatherv(const std::vector<int64_t>& byte_counts) const;
+  bool wants_cma_broadcast(size_t bytes) const { return n_ > 1 && cma_bytes_ && bytes >= cma_bytes_; }
 
   // The engine's agreement loop uses one segment of its own and, between its
   // cycles, sleeps here (GIL released) instead of polling: until a peer has started
@@ -168,6 +192,21 @@ class ShmComm {
   void release_set(int set, uint64_t phase) { free_phase_[set] = phase; }
   void check_not_aborted(const WaitContext& ctx);
 
+  // vote()'s body: `pack` (pack_bytes; nullptr: nothing packed) goes behind the words, and
+  // when every rank packed and may_run says so, run(each rank's packed bytes) runs before
+  // the slots are let go; with wait_read, the call returns only once every rank has run,
+  // and `meanwhile` (if set) runs first, while the slower ranks still do.
+  using PackedRun = std::function<void(const std::vector<const char*>&)>;
+  bool vote_with(int32_t* vec, size_t words, const void* pack, size_t pack_bytes,
+                 const std::function<bool(const int32_t*)>& may_run, const PackedRun& run,
+                 bool wait_read, WaitContext& ctx, const std::function<void()>& meanwhile = {});
+  // CMA: `send`, or a copy of it when it overlaps `recv` but not at this rank's place there
+  // (the peers read `send` while this rank writes `recv`; no API path passes one).
+  const char* readable_send(const char* send, const char* recv, const std::vector<int64_t>& byte_counts,
+                            const std::vector<size_t>& displ, std::vector<char>& copy) const;
+  // CMA: every peer's part of an allgatherv, read from the addresses the peers published.
+  void read_parts(char* recv, const std::vector<int64_t>& byte_counts, const std::vector<size_t>& displ,
+                  const std::function<uintptr_t(int)>& address_of, WaitContext& ctx);
   void allgatherv_cma(const char* send, char* recv, const std::vector<int64_t>& byte_counts,
                       WaitContext& ctx);
   void broadcast_cma(char* buf, size_t bytes, int root, WaitContext& ctx, const char* src);
@@ -191,6 +230,7 @@ class ShmComm {
   size_t stream_bytes_ = SIZE_MAX;
   size_t cma_bytes_ = 0;         // broadcast
   size_t cma_gather_bytes_ = 0;  // allgather
+  bool vote_carries_ = true;
   std::atomic<uint64_t> doorbell_{0};  // ring() count (this process only)
   std::atomic<int> idle_sleeping_{0};  // wait_activity is (about to be) in FUTEX_WAIT
   std::atomic<int> held_{0};           // hold_activity(true): another thread watches peers

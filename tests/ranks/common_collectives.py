@@ -799,6 +799,47 @@ def test_cached_allgathers_and_broadcasts_run_in_the_native_table():
         assert after["units"] - stats["units"] >= ran - before
 
 
+@pytest.mark.parametrize("carried", [True, False], ids=["vote-carries", "own-syncs"])
+def test_single_copy_allgathers_and_broadcasts_of_cached_names(carried):
+    # From the CMA thresholds up, a cached allgather or broadcast is read straight from its
+    # owner's buffer; the agreement's vote carries the addresses (default) or the op syncs
+    # on its own segment after it. Either way: every root, uneven parts, in place and out
+    # of place, inputs untouched, each result its own array.
+    engine = hvd.basics.engine()
+    if engine.agreement is None or SIZE == 1:
+        pytest.skip("no shm agreement here")
+    data = engine.transports.for_op("cpu", "allgather")
+    if data.single_copy_bytes == (0, 0):
+        pytest.skip("single-copy transfers (process_vm_readv) are not allowed here")
+    hvd.barrier()
+    data._native.set_cma_bytes(1, 1)  # every op below single-copy, at any rank count
+    engine.agreement.native.set_vote_carries(carried)
+    try:
+        results = []
+        for step in range(6):
+            rows = 300 + 7 * RANK
+            x = np.full((rows, 9), RANK * 100 + step, np.float32)
+            got = hvd.allgather(x, name="cma.gather")
+            want = np.concatenate([np.full((300 + 7 * r, 9), r * 100 + step, np.float32)
+                                   for r in range(SIZE)])
+            np.testing.assert_array_equal(got, want)
+            np.testing.assert_array_equal(x, np.full((rows, 9), RANK * 100 + step, np.float32))
+            results.append((got, want))
+            for root in range(SIZE):
+                b = np.full(5000, RANK * 10.0 + step)
+                out = hvd.broadcast(b, root, name=f"cma.bcast.{root}")
+                np.testing.assert_array_equal(out, np.full(5000, root * 10.0 + step))
+                np.testing.assert_array_equal(b, np.full(5000, RANK * 10.0 + step))
+                assert hvd.broadcast_(b, root, name=f"cma.bcast_.{root}") is b
+                np.testing.assert_array_equal(b, np.full(5000, root * 10.0 + step))
+        for got, want in results:
+            np.testing.assert_array_equal(got, want)
+    finally:
+        hvd.barrier()
+        engine.agreement.native.set_vote_carries(True)
+        data._native.set_cma_bytes(*data.single_copy_bytes)
+
+
 def test_allgather_and_broadcast_calls_the_cached_plan_does_not_cover():
     # After a name's allgather or broadcast plan is in the native table, a call it does not
     # cover (another root, dtype or shape; a numpy integer root; a 0-d array; a list; a

@@ -99,7 +99,10 @@ class ShmTransport(Transport):
         cma_gather = _env_int("NBDIST_SHM_CMA_ALLGATHER_BYTES",
                               cma_given if cma_given >= 0
                               else (4 * MiB if oversubscribed else 16 * 1024))
+        # (broadcast, allgather) bytes from which this transport moves them single-copy
+        self.single_copy_bytes = (0, 0)
         if single_copy and (cma_bytes or cma_gather) and self._cma_works():
+            self.single_copy_bytes = (cma_bytes, cma_gather)
             self._native.set_cma_bytes(cma_bytes, cma_gather)
 
     def _cma_works(self) -> bool:
