@@ -1,21 +1,23 @@
-"""Slots against single copy (CMA), on the path users call: allgather and broadcast_.
+"""Slots against single copy (CMA), on the path users call: allreduce_, allgather, broadcast_.
 
     mpiexec -n 2 .venv/bin/python benchmarks/cma_threshold.py [--sizes 64K,256K,1M,4M,16M]
 
 The shm transport moves an allgather or a broadcast either through its slots (two
-copies, pipelined chunk by chunk) or by single copy (`process_vm_readv` from the
-owner's buffer). Which is faster depends on size, on rank count and on whether each op
-starts with the ranks in step: through the API every op follows its agreement vote, so
-no rank is still finishing the last op when the next begins, unlike a loop of raw
-transport calls. This measures the API's ops (named, cached: the express path) with one
-transport switched between the paths between rounds (every rank at once, after a
-barrier), beside mpi4py's Allgather and Bcast in the same rounds. Reported per size
-(bytes per rank): the slowest rank's mean µs per call, median of rounds, and the
-CMA/slots, CMA+vote/CMA and best/mpi4py time ratios. "CMA+vote": the agreement's vote
-carries each rank's address, so the single-copy op needs no synchronisation of its own
-before the reads (ShmComm::vote_allgatherv / vote_broadcast, the default); "CMA": the op
-syncs on its data segment after the vote. docs/native.md has the figures and the
-thresholds chosen from them (NBDIST_SHM_CMA_BYTES, NBDIST_SHM_CMA_ALLGATHER_BYTES).
+copies, pipelined chunk by chunk) or by single copy (`process_vm_readv` from the owner's
+buffer); an allreduce too, when the agreement's vote carries its addresses. Which is
+faster depends on size, on rank count and on whether each op starts with the ranks in
+step: through the API every op follows its agreement vote, so no rank is still finishing
+the last op when the next begins, unlike a loop of raw transport calls. This measures
+the API's ops (named, cached: the express path) with one transport switched between the
+paths between rounds (every rank at once, after a barrier), beside mpi4py's Allreduce
+(Max, in place), Allgather and Bcast in the same rounds. Reported per size (bytes per
+rank): the slowest rank's mean µs per call, median of rounds, and the CMA/slots,
+CMA+vote/CMA and best/mpi4py time ratios. "CMA+vote": the agreement's vote carries each
+rank's addresses, so the single-copy op needs no synchronisation of its own before the
+reads (ShmComm::vote_allreduce / vote_allgatherv / vote_broadcast, the default); "CMA":
+the op syncs on its data segment after the vote (an allreduce: through the slots).
+docs/native.md has the figures and the thresholds chosen from them
+(NBDIST_SHM_CMA_BYTES, NBDIST_SHM_CMA_ALLGATHER_BYTES, NBDIST_SHM_CMA_ALLREDUCE_BYTES).
 """
 from __future__ import annotations
 
@@ -46,9 +48,10 @@ def main(argv=None) -> int:
         return 1
     native = transport._native
     vote = nb.basics.engine().agreement.native
-    # (broadcast, allgather) thresholds in bytes, and whether the vote carries a CMA op's
-    # addresses ("CMA": the op's own syncs on the data segment after the vote)
-    modes = {"slots": (0, 0, False), "CMA": (1, 1, False), "CMA+vote": (1, 1, True)}
+    # (broadcast, allgather, allreduce) thresholds in bytes, and whether the vote carries a
+    # CMA op's addresses ("CMA": the op's own syncs on the data segment after the vote; an
+    # allreduce goes single-copy only when the vote carries it, so there it is the slots)
+    modes = {"slots": (0, 0, 0, False), "CMA": (1, 1, 1, False), "CMA+vote": (1, 1, 1, True)}
 
     def timed(fn) -> float:
         fn()
@@ -70,18 +73,22 @@ def main(argv=None) -> int:
         a = np.ones(size // 4, np.float32)
         b = a.copy()
         gathered = np.empty(a.size * comm.size, a.dtype)
+        c = a.copy()
         cases = {
+            "allreduce_": lambda c=c: nb.allreduce_(c, op=nb.Max, name=f"cma.r{c.nbytes}"),
             "allgather": lambda a=a: nb.allgather(a, name=f"cma.g{a.nbytes}"),
             "broadcast_": lambda b=b: nb.broadcast_(b, 0, name=f"cma.b{b.nbytes}"),
         }
-        peers = {"allgather": lambda a=a, g=gathered: comm.Allgather(a, g),
+        peers = {"allreduce_": lambda c=c: comm.Allreduce(MPI.IN_PLACE, c, op=MPI.MAX),
+                 "allgather": lambda a=a, g=gathered: comm.Allgather(a, g),
                  "broadcast_": lambda b=b: comm.Bcast(b, root=0)}
         for r in range(args.rounds):
             order = list(modes) if r % 2 == 0 else list(modes)[::-1]
             for mode in order:
                 comm.Barrier()
                 native.set_cma_bytes(*modes[mode][:2])
-                vote.set_vote_carries(modes[mode][2])
+                native.set_cma_allreduce_bytes(modes[mode][2])
+                vote.set_vote_carries(modes[mode][3])
                 comm.Barrier()
                 for op, fn in cases.items():
                     rows.setdefault((op, size, mode), []).append(timed(fn))
@@ -92,7 +99,7 @@ def main(argv=None) -> int:
               "µs per call through the API")
         print(f"{'op':11s} {'bytes/rank':>10s} {'slots':>9s} {'CMA':>9s} {'CMA+vote':>9s} "
               f"{'mpi4py':>9s} {'CMA/slots':>9s} {'+vote/CMA':>9s} {'best/mpi4py':>11s}")
-        for op in ("allgather", "broadcast_"):
+        for op in ("allreduce_", "allgather", "broadcast_"):
             for size in sizes:
                 t = {m: statistics.median(rows[(op, size, m)]) for m in (*modes, "mpi4py")}
                 best = min(t[m] for m in modes)

@@ -114,11 +114,20 @@ py::object agree_allreduce(PyShm& s, int64_t bit, int64_t nbits, PyShm& data, co
   check_factor(dtype, factor);
   void* const from = data_of(src);
   void* const to = data_of(dst);
-  // Small enough to travel with the vote: then one synchronisation does both.
-  const bool packs =
-      count * nbdist::dtype_size(dtype) <= s.comm().vote_room(vote_word_count(s.comm().size(), nbits));
-  return agree_then(s, bit, nbits, "agreement",
+  const size_t nbytes = count * nbdist::dtype_size(dtype);
+  // Small enough to travel with the vote: then one synchronisation does both. Big enough
+  // for single copy (and not a buffer that overlaps its result): the vote carries the
+  // addresses, and the bytes move in the same call.
+  const bool packs = nbytes <= s.comm().vote_room(vote_word_count(s.comm().size(), nbits));
+  ShmComm& bytes = data.comm();
+  const bool single = !packs && s.comm().vote_carries() && bytes.wants_cma_allreduce(nbytes) &&
+                      (from == to || static_cast<char*>(to) + nbytes <= static_cast<char*>(from) ||
+                       static_cast<char*>(from) + nbytes <= static_cast<char*>(to));
+  return agree_then(s, bit, nbits, single ? "allreduce" : "agreement",
       [&](ShmComm& c, std::vector<int32_t>& vec, const MayRun& may_run, WaitContext& ctx) {
+        if (single)  // (scaled slice by slice, as it is reduced)
+          return c.vote_allreduce(vec.data(), vec.size(), from, to, count, dtype, op, factor,
+                                  may_run, bytes, ctx);
         if (!packs) return plain_vote(c, vec, may_run, ctx);
         const bool ran = c.vote(vec.data(), vec.size(), from, to, count, dtype, op, may_run, ctx);
         if (ran && factor != 1.0) nbdist::scale_in_place(to, count, dtype, factor);
@@ -235,6 +244,9 @@ void bind_shm(py::module_& m) {
       .def("abort_reason", [](PyShm& s) { return s.comm().abort_reason(); })
       .def("set_cma_bytes", [](PyShm& s, size_t broadcast, size_t allgather) {
         s.comm().set_cma_bytes(broadcast, allgather);
+      })
+      .def("set_cma_allreduce_bytes", [](PyShm& s, size_t bytes) {
+        s.comm().set_cma_allreduce_bytes(bytes);
       })
       .def("set_vote_carries", [](PyShm& s, bool on) { s.comm().set_vote_carries(on); },
            "An agreement segment's votes carry single-copy ops' addresses (default on).")

@@ -315,6 +315,71 @@ bool ShmComm::vote_broadcast(int32_t* vec, size_t words, void* buf_, size_t byte
                    });
 }
 
+bool ShmComm::vote_allreduce(int32_t* vec, size_t words, const void* src_, void* dst_, size_t count,
+                             int dtype, int op, double factor,
+                             const std::function<bool(const int32_t*)>& may_run,
+                             const ShmComm& data, WaitContext& ctx) {
+  ReduceFn fn = kernel_or_throw(dtype, op, ctx.what);
+  if (factor != 1.0 && dtype != kF32 && dtype != kF64)
+    throw std::invalid_argument("shm allreduce: a factor other than 1 needs float32 or float64");
+  const size_t item = dtype_size(dtype);
+  const char* const src = static_cast<const char*>(src_);
+  char* const dst = static_cast<char*>(dst_);
+  if (src != dst && src < dst + count * item && dst < src + count * item)
+    throw std::invalid_argument("shm allreduce: src and dst overlap without being one buffer");
+  const uintptr_t addresses[2] = {reinterpret_cast<uintptr_t>(src), reinterpret_cast<uintptr_t>(dst)};
+  // Slices start on cache lines (no false sharing between owners); the peers' pieces of
+  // one step stay in cache between their read and the reduction.
+  const size_t line = 64 / item;
+  const size_t slice = round_up((count + n_ - 1) / n_, line);
+  auto bounds = [&](int r) {
+    const size_t lo = std::min(count, static_cast<size_t>(r) * slice);
+    return std::make_pair(lo, std::min(count, lo + slice));
+  };
+  const size_t step = std::max<size_t>(line, (256 * 1024 / item) / line * line);
+  BorrowedSpin spin(spin_iters_, yield_iters_, data.spin_iters_, data.yield_iters_);
+  return vote_with(vec, words, addresses, sizeof addresses, may_run,
+                   [&](const std::vector<const char*>& packed) {
+    std::vector<uintptr_t> their_src(n_), their_dst(n_);
+    for (int q = 0; q < n_; ++q) {
+      their_src[q] = packed_address(packed[q]);
+      their_dst[q] = packed_address(packed[q] + sizeof(uintptr_t));
+    }
+    // 1. My slice: every rank's src (mine in place, the peers' read here), reduced in rank
+    // order into my dst: the same bits whoever reduces.
+    const auto [lo, hi] = bounds(rank_);
+    if (hi > lo) {
+      const size_t piece = std::min(step, hi - lo);
+      if (cma_scratch_.size() < (n_ - 1) * piece * item) cma_scratch_.resize((n_ - 1) * piece * item);
+      std::vector<const void*> srcs(n_);
+      for (size_t off = lo; off < hi; off += piece) {
+        const size_t len = std::min(piece, hi - off);
+        char* at = cma_scratch_.data();
+        for (int k = 1; k < n_; ++k) {  // start at a different peer on each rank
+          const int q = (rank_ + k) % n_;
+          read_peer(q, at, their_src[q] + off * item, len * item, ctx);
+          srcs[q] = at;
+          at += len * item;
+        }
+        srcs[rank_] = src + off * item;
+        fn(dst + off * item, srcs.data(), n_, len);
+        if (factor != 1.0) scale_in_place(dst + off * item, len, dtype, factor);  // (in cache)
+      }
+    }
+    // 2. Once every slice is reduced (and so every src read: an in-place op's src is about
+    // to be overwritten), the other slices from their owners' dst.
+    const uint64_t reduced = next_phase();
+    post(reduced);
+    wait_all(reduced, ctx);
+    for (int k = 1; k < n_; ++k) {
+      const int q = (rank_ + k) % n_;
+      const auto [qlo, qhi] = bounds(q);
+      if (qhi > qlo)
+        read_peer(q, dst + qlo * item, their_dst[q] + qlo * item, (qhi - qlo) * item, ctx);
+    }
+  }, true, ctx);  // (and every rank's dst read by all before it returns)
+}
+
 bool ShmComm::wants_cma_allgatherv(const std::vector<int64_t>& byte_counts) const {
   return n_ > 1 && cma_gather_bytes_ &&
          static_cast<size_t>(std::accumulate(byte_counts.begin(), byte_counts.end(), int64_t{0})) >=

@@ -125,6 +125,21 @@ class ShmComm {
   // before 2026-12-07 (benchmarks/cma_threshold.py measures both). The same on every rank.
   void set_vote_carries(bool on) { vote_carries_ = on; }
   bool vote_carries() const { return vote_carries_; }
+  // The same for an allreduce (src into dst, which may be src): each rank packs both
+  // addresses; when the vote lets it run, each rank reduces its slice of the buffer from
+  // every rank's src (the peers' parts read by CMA, a cache-sized piece at a time), all
+  // sync once, and each reads the other slices' results from their owners' dst. Three
+  // synchronisations in all (vote, reduced, read) where the slots take two per slot-sized
+  // chunk after the vote, and each byte crosses once instead of in and out of a slot.
+  // `factor` (float32/float64 only, else 1) scales each slice as its owner reduces it, so
+  // an Average costs no pass over the whole result afterwards.
+  bool vote_allreduce(int32_t* vec, size_t words, const void* src, void* dst, size_t count,
+                      int dtype, int op, double factor,
+                      const std::function<bool(const int32_t*)>& may_run, const ShmComm& data,
+                      WaitContext& ctx);
+  bool wants_cma_allreduce(size_t bytes) const {
+    return n_ > 1 && cma_reduce_bytes_ && bytes >= cma_reduce_bytes_;
+  }
   // Whether this comm moves an allgatherv of these counts, or a broadcast of `bytes`, by CMA.
   bool wants_cma_allgatherv(const std::vector<int64_t>& byte_counts) const;
   bool wants_cma_broadcast(size_t bytes) const { return n_ > 1 && cma_bytes_ && bytes >= cma_bytes_; }
@@ -176,6 +191,9 @@ class ShmComm {
     cma_bytes_ = broadcast;
     cma_gather_bytes_ = allgather;
   }
+  // Allreduces of at least `bytes` that an agreement's vote carries (vote_allreduce) go
+  // single-copy; 0: never. As set_cma_bytes: the same on every rank, after the probe.
+  void set_cma_allreduce_bytes(size_t bytes) { cma_reduce_bytes_ = bytes; }
 
  private:
   uint64_t next_phase() { return ++gen_; }
@@ -230,6 +248,8 @@ class ShmComm {
   size_t stream_bytes_ = SIZE_MAX;
   size_t cma_bytes_ = 0;         // broadcast
   size_t cma_gather_bytes_ = 0;  // allgather
+  size_t cma_reduce_bytes_ = 0;  // allreduce (carried by a vote only)
+  std::vector<char> cma_scratch_;  // vote_allreduce's peer pieces
   bool vote_carries_ = true;
   std::atomic<uint64_t> doorbell_{0};  // ring() count (this process only)
   std::atomic<int> idle_sleeping_{0};  // wait_activity is (about to be) in FUTEX_WAIT

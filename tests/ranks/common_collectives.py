@@ -800,22 +800,38 @@ def test_cached_allgathers_and_broadcasts_run_in_the_native_table():
 
 
 @pytest.mark.parametrize("carried", [True, False], ids=["vote-carries", "own-syncs"])
-def test_single_copy_allgathers_and_broadcasts_of_cached_names(carried):
-    # From the CMA thresholds up, a cached allgather or broadcast is read straight from its
-    # owner's buffer; the agreement's vote carries the addresses (default) or the op syncs
-    # on its own segment after it. Either way: every root, uneven parts, in place and out
-    # of place, inputs untouched, each result its own array.
+def test_single_copy_ops_of_cached_names(carried):
+    # From the CMA thresholds up, a cached allreduce, allgather or broadcast is read straight
+    # from its owner's buffer; the agreement's vote carries the addresses (default) or the
+    # op syncs on its own segment after it (an allreduce then goes through the slots).
+    # Either way: every root, uneven parts and slices, in place and out of place, inputs
+    # untouched, each result its own array.
     engine = hvd.basics.engine()
     if engine.agreement is None or SIZE == 1:
         pytest.skip("no shm agreement here")
     data = engine.transports.for_op("cpu", "allgather")
-    if data.single_copy_bytes == (0, 0):
+    if data.single_copy_bytes == (0, 0, 0):
         pytest.skip("single-copy transfers (process_vm_readv) are not allowed here")
     hvd.barrier()
     data._native.set_cma_bytes(1, 1)  # every op below single-copy, at any rank count
+    data._native.set_cma_allreduce_bytes(1)  # (those above what travels in the vote itself)
     engine.agreement.native.set_vote_carries(carried)
     try:
         results = []
+        for dtype, op, n in [(np.float32, hvd.Sum, 100_003), (np.float64, hvd.Average, 20_000),
+                             (np.int32, hvd.Max, 70_001), (np.float16, hvd.Sum, 65_537)]:
+            base = (np.arange(n) % 7).astype(dtype)
+            for step in range(3):
+                x = base + RANK + step
+                want = {hvd.Sum: sum(base + r + step for r in range(SIZE)),
+                        hvd.Average: base + (SIZE - 1) / 2 + step,
+                        hvd.Max: base + SIZE - 1 + step}[op]
+                got = hvd.allreduce(x, op=op, name=f"cma.ar.{np.dtype(dtype).name}")
+                np.testing.assert_allclose(got, want, rtol=1e-6)
+                np.testing.assert_array_equal(x, base + RANK + step)
+                assert hvd.allreduce_(x, op=op, name=f"cma.ar_.{np.dtype(dtype).name}") is x
+                np.testing.assert_allclose(x, want, rtol=1e-6)
+                results.append((got, want))
         for step in range(6):
             rows = 300 + 7 * RANK
             x = np.full((rows, 9), RANK * 100 + step, np.float32)
@@ -837,7 +853,8 @@ def test_single_copy_allgathers_and_broadcasts_of_cached_names(carried):
     finally:
         hvd.barrier()
         engine.agreement.native.set_vote_carries(True)
-        data._native.set_cma_bytes(*data.single_copy_bytes)
+        data._native.set_cma_bytes(*data.single_copy_bytes[:2])
+        data._native.set_cma_allreduce_bytes(data.single_copy_bytes[2])
 
 
 def test_allgather_and_broadcast_calls_the_cached_plan_does_not_cover():

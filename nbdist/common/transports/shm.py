@@ -93,17 +93,26 @@ class ShmTransport(Transport):
         # cores, from about 1 MiB (broadcast) and 4 MiB moved (allgather). A loop of raw
         # transport calls favours the slots (a slot broadcast's root runs into the next
         # call while the peers still read), which is not how the engine calls them.
-        # NBDIST_SHM_CMA_BYTES alone sets both.
+        # NBDIST_SHM_CMA_BYTES alone sets all three (with the allreduce's, below).
         cma_given = _env_int("NBDIST_SHM_CMA_BYTES", -1)
         cma_bytes = cma_given if cma_given >= 0 else (MiB if oversubscribed else 16 * 1024)
         cma_gather = _env_int("NBDIST_SHM_CMA_ALLGATHER_BYTES",
                               cma_given if cma_given >= 0
                               else (4 * MiB if oversubscribed else 16 * 1024))
-        # (broadcast, allgather) bytes from which this transport moves them single-copy
-        self.single_copy_bytes = (0, 0)
-        if single_copy and (cma_bytes or cma_gather) and self._cma_works():
-            self.single_copy_bytes = (cma_bytes, cma_gather)
+        # An allreduce goes single-copy only where the agreement's vote carries it (its
+        # addresses travel with the vote: ShmComm::vote_allreduce).
+        # Below a few MiB the slots win (cache-warm, no page pinning): crossovers measured
+        # through the API at 2 MiB (2 ranks) and 4 MiB (4 ranks on 2 cores).
+        cma_reduce = _env_int("NBDIST_SHM_CMA_ALLREDUCE_BYTES",
+                              cma_given if cma_given >= 0
+                              else (4 * MiB if oversubscribed else 2 * MiB))
+        # (broadcast, allgather, allreduce) bytes from which this transport moves them
+        # single-copy
+        self.single_copy_bytes = (0, 0, 0)
+        if single_copy and (cma_bytes or cma_gather or cma_reduce) and self._cma_works():
+            self.single_copy_bytes = (cma_bytes, cma_gather, cma_reduce)
             self._native.set_cma_bytes(cma_bytes, cma_gather)
+            self._native.set_cma_allreduce_bytes(cma_reduce)
 
     def _cma_works(self) -> bool:
         """Whether every rank can read its neighbour's memory (process_vm_readv); collective.
