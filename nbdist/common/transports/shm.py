@@ -90,7 +90,8 @@ class ShmTransport(Transport):
         # by side on the path users call, where every op follows its agreement vote
         # (benchmarks/cma_threshold.py, docs/native.md): at one rank per core single copy
         # is ahead from 16 KiB (allgather: moved in all) up, 1.3-2.2x; where ranks share
-        # cores, from about 1 MiB (broadcast) and 4 MiB moved (allgather). A loop of raw
+        # cores, from about 1 MiB (broadcast) and, since the vote carries the addresses (one
+        # sync fewer), 256 KiB moved (allgather; 4 MiB before). A loop of raw
         # transport calls favours the slots (a slot broadcast's root runs into the next
         # call while the peers still read), which is not how the engine calls them.
         # NBDIST_SHM_CMA_BYTES alone sets all three (with the allreduce's, below).
@@ -98,7 +99,7 @@ class ShmTransport(Transport):
         cma_bytes = cma_given if cma_given >= 0 else (MiB if oversubscribed else 16 * 1024)
         cma_gather = _env_int("NBDIST_SHM_CMA_ALLGATHER_BYTES",
                               cma_given if cma_given >= 0
-                              else (4 * MiB if oversubscribed else 16 * 1024))
+                              else (256 * 1024 if oversubscribed else 16 * 1024))
         # An allreduce goes single-copy only where the agreement's vote carries it (its
         # addresses travel with the vote: ShmComm::vote_allreduce).
         # Below a few MiB the slots win (cache-warm, no page pinning): crossovers measured
