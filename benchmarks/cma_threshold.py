@@ -9,10 +9,11 @@ faster depends on size, on rank count and on whether each op starts with the ran
 step: through the API every op follows its agreement vote, so no rank is still finishing
 the last op when the next begins, unlike a loop of raw transport calls. This measures
 the API's ops (named, cached: the express path) with one transport switched between the
-paths between rounds (every rank at once, after a barrier), beside mpi4py's Allreduce
-(Max, in place), Allgather and Bcast in the same rounds. Reported per size (bytes per
-rank): the slowest rank's mean µs per call, median of rounds, and the CMA/slots,
-CMA+vote/CMA and best/mpi4py time ratios. "CMA+vote": the agreement's vote carries each
+paths between rounds (every rank at once, after a barrier), beside mpi4py's Allreduce,
+Allgather and Bcast in the same rounds (allreduce_: Max in place, as mpi4py's;
+allreduce: the default Average into a new array, against mpi4py's Sum into a buffer it
+keeps). Reported per size (bytes per rank): the slowest rank's mean µs per call, median
+of rounds, and the CMA/slots, CMA+vote/CMA and best/mpi4py time ratios. "CMA+vote": the agreement's vote carries each
 rank's addresses, so the single-copy op needs no synchronisation of its own before the
 reads (ShmComm::vote_allreduce / vote_allgatherv / vote_broadcast, the default); "CMA":
 the op syncs on its data segment after the vote (an allreduce: through the slots).
@@ -74,12 +75,15 @@ def main(argv=None) -> int:
         b = a.copy()
         gathered = np.empty(a.size * comm.size, a.dtype)
         c = a.copy()
+        summed = np.empty_like(a)
         cases = {
             "allreduce_": lambda c=c: nb.allreduce_(c, op=nb.Max, name=f"cma.r{c.nbytes}"),
+            "allreduce": lambda a=a: nb.allreduce(a, name=f"cma.avg{a.nbytes}"),
             "allgather": lambda a=a: nb.allgather(a, name=f"cma.g{a.nbytes}"),
             "broadcast_": lambda b=b: nb.broadcast_(b, 0, name=f"cma.b{b.nbytes}"),
         }
         peers = {"allreduce_": lambda c=c: comm.Allreduce(MPI.IN_PLACE, c, op=MPI.MAX),
+                 "allreduce": lambda a=a, out=summed: comm.Allreduce(a, out, op=MPI.SUM),
                  "allgather": lambda a=a, g=gathered: comm.Allgather(a, g),
                  "broadcast_": lambda b=b: comm.Bcast(b, root=0)}
         for r in range(args.rounds):
@@ -99,7 +103,7 @@ def main(argv=None) -> int:
               "µs per call through the API")
         print(f"{'op':11s} {'bytes/rank':>10s} {'slots':>9s} {'CMA':>9s} {'CMA+vote':>9s} "
               f"{'mpi4py':>9s} {'CMA/slots':>9s} {'+vote/CMA':>9s} {'best/mpi4py':>11s}")
-        for op in ("allreduce_", "allgather", "broadcast_"):
+        for op in cases:
             for size in sizes:
                 t = {m: statistics.median(rows[(op, size, m)]) for m in (*modes, "mpi4py")}
                 best = min(t[m] for m in modes)

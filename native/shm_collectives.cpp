@@ -248,21 +248,22 @@ bool ShmComm::vote_with(int32_t* vec, size_t words, const void* pack, size_t pac
 }
 
 namespace {
-// The spin tuning of another comm, for the waits of one call (restored after it).
+// The waits of one call poll and yield as another comm's do (restored after it; the
+// context is the calling thread's own, so no other thread sees the change).
 class BorrowedSpin {
  public:
-  BorrowedSpin(int& spin, int& yields, int with_spin, int with_yields)
-      : spin_(spin), yields_(yields), old_spin_(spin), old_yields_(yields) {
-    spin = with_spin;
-    yields = with_yields;
+  BorrowedSpin(WaitContext& ctx, int spin, int yields)
+      : ctx_(ctx), old_spin_(ctx.spin_iters), old_yields_(ctx.yield_iters) {
+    ctx.spin_iters = spin;
+    ctx.yield_iters = yields;
   }
   ~BorrowedSpin() {
-    spin_ = old_spin_;
-    yields_ = old_yields_;
+    ctx_.spin_iters = old_spin_;
+    ctx_.yield_iters = old_yields_;
   }
 
  private:
-  int &spin_, &yields_;
+  WaitContext& ctx_;
   int old_spin_, old_yields_;
 };
 
@@ -285,7 +286,7 @@ bool ShmComm::vote_allgatherv(int32_t* vec, size_t words, const void* send_, voi
   const size_t mine = static_cast<size_t>(byte_counts[rank_]);
   char* const own = recv + displ[rank_];
   const uintptr_t address = reinterpret_cast<uintptr_t>(send);
-  BorrowedSpin spin(spin_iters_, yield_iters_, data.spin_iters_, data.yield_iters_);
+  BorrowedSpin spin(ctx, data.spin_iters_, data.yield_iters_);
   // The peers' parts first, then the own part while the slower peers still read from this
   // rank (they wait for none of it; copied before the vote, it would hold up their reads).
   return vote_with(vec, words, &address, sizeof address, may_run,
@@ -304,7 +305,7 @@ bool ShmComm::vote_broadcast(int32_t* vec, size_t words, void* buf_, size_t byte
   char* buf = static_cast<char*>(buf_);
   const char* src = rank_ == root && src_ != buf_ ? static_cast<const char*>(src_) : nullptr;
   const uintptr_t address = rank_ == root ? reinterpret_cast<uintptr_t>(src ? src : buf) : 0;
-  BorrowedSpin spin(spin_iters_, yield_iters_, data.spin_iters_, data.yield_iters_);
+  BorrowedSpin spin(ctx, data.spin_iters_, data.yield_iters_);
   // Only the root waits for the readers (its buffer may change once it returns), making
   // its own result from `src` meanwhile.
   return vote_with(vec, words, &address, sizeof address, may_run,
@@ -337,7 +338,7 @@ bool ShmComm::vote_allreduce(int32_t* vec, size_t words, const void* src_, void*
     return std::make_pair(lo, std::min(count, lo + slice));
   };
   const size_t step = std::max<size_t>(line, (256 * 1024 / item) / line * line);
-  BorrowedSpin spin(spin_iters_, yield_iters_, data.spin_iters_, data.yield_iters_);
+  BorrowedSpin spin(ctx, data.spin_iters_, data.yield_iters_);
   return vote_with(vec, words, addresses, sizeof addresses, may_run,
                    [&](const std::vector<const char*>& packed) {
     std::vector<uintptr_t> their_src(n_), their_dst(n_);

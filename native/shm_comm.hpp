@@ -39,6 +39,10 @@ struct WaitContext {
   double timeout_s = 0.0;  // 0: no deadline
   std::function<bool(std::string&)> should_stop;  // polled every ~100 ms once asleep
   std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+  // Polls and yields before a wait sleeps, when not the comm's own (-1): a vote that
+  // carries a data op waits with the data segment's (see vote_allgatherv).
+  int spin_iters = -1;
+  int yield_iters = -1;
 };
 
 class ShmComm {

@@ -178,12 +178,14 @@ void ShmComm::wait_for(int who, uint64_t phase, WaitContext& ctx) {
   };
   auto aborted = [&]() { return hdr_->abort.state.load(std::memory_order_relaxed) != 0; };
 
-  for (int i = 0; i < spin_iters_; ++i) {
+  const int spins = ctx.spin_iters >= 0 ? ctx.spin_iters : spin_iters_;
+  const int yields = ctx.yield_iters >= 0 ? ctx.yield_iters : yield_iters_;
+  for (int i = 0; i < spins; ++i) {
     if (done()) return;
     if (aborted()) fail_aborted(ctx);
     cpu_relax();
   }
-  for (int i = 0; i < yield_iters_; ++i) {
+  for (int i = 0; i < yields; ++i) {
     if (done()) return;
     if (aborted()) fail_aborted(ctx);
     sched_yield();
