@@ -26,6 +26,8 @@ import time
 from dataclasses import replace
 from typing import Callable
 
+import psutil
+
 from ..common.world import joined_marker, lost_members, write_plan
 from ..failure import FailureReport, rank_ranges
 from ..mpi.deaths import DeathWatch
@@ -69,6 +71,9 @@ class ElasticWatch:
         self.on_join: Callable[[list[int]], None] | None = None
         self._starting: tuple[int, set[int], str] | None = None  # (how many, ids before, engine set)
         self.joining: dict[int, tuple[int, int]] = {}  # engine id -> (pid, generation): asked to join
+        # engine id -> the joiner's process as it was when asked (psutil checks its start time
+        # before a signal: a pid reused since is never killed for it)
+        self._joiner_procs: dict[int, psutil.Process] = {}
         self.progress = progress
         # engine id -> (the rank it had when the cell started, its index in the AsyncResult)
         self.labels = labels or {}
@@ -161,6 +166,12 @@ class ElasticWatch:
         size = len(old)
         _publish(cluster, [i.pid for i in old + newcomers], joiners=[i.pid for i in newcomers])
         self.joining = {i.engine_id: (i.pid, cluster.generation) for i in newcomers}
+        self._joiner_procs = {}
+        for i in newcomers:
+            try:
+                self._joiner_procs[i.engine_id] = psutil.Process(i.pid)
+            except psutil.NoSuchProcess:  # gone already: nothing to stop later
+                pass
         _renumber(cluster, old + newcomers)
         self.on_join(new)
         self._event(f"resized {size} -> {len(cluster.ranks)} ranks (generation {cluster.generation}): "
@@ -178,11 +189,13 @@ class ElasticWatch:
         cluster = self.cluster
         if not self.joining:
             return
-        for eid, (pid, _) in self.joining.items():
+        for eid in self.joining:
             self.lost_engines.add(eid)
+            proc = self._joiner_procs.pop(eid, None)
             try:
-                os.kill(pid, 9)
-            except ProcessLookupError:
+                if proc is not None:
+                    proc.kill()  # (raises NoSuchProcess, not kills, if the pid was reused)
+            except psutil.NoSuchProcess:
                 pass
         keep = [info for r, info in sorted(cluster.ranks.items()) if info.engine_id not in self.joining]
         self.joining = {}
