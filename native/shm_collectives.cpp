@@ -196,12 +196,11 @@ bool ShmComm::vote(int32_t* vec, size_t words, const void* src, void* dst, size_
                    WaitContext& ctx) {
   const size_t bytes = src ? count * dtype_size(dtype) : 0;
   ReduceFn fn = src ? kernel_or_throw(dtype, op, ctx.what) : nullptr;
-  return vote_with(vec, words, src, bytes, may_run, [&](const std::vector<const char*>& packed) {
+  return vote_with(vec, words, src, bytes, may_run, [&](const std::vector<const void*>& packed) {
     if (n_ == 1) {
       if (src != dst) std::memcpy(dst, src, bytes);
     } else if (count) {
-      std::vector<const void*> srcs(packed.begin(), packed.end());
-      fn(dst, srcs.data(), n_, count);
+      fn(dst, packed.data(), n_, count);
     }
   }, false, ctx);
 }
@@ -218,7 +217,7 @@ bool ShmComm::vote_with(int32_t* vec, size_t words, const void* pack, size_t pac
   vec[words - 1] = pack ? 1 : 0;  // the "packed" flag (the caller leaves the last word for it)
   if (n_ == 1) {
     if (!pack || !may_run(vec)) return false;
-    run({static_cast<const char*>(pack)});
+    run({pack});
     if (meanwhile) meanwhile();
     return true;
   }
@@ -234,9 +233,8 @@ bool ShmComm::vote_with(int32_t* vec, size_t words, const void* pack, size_t pac
   reduce_kernel(kI32, kMin)(vec, srcs.data(), n_, words);
   bool ran = false;
   if (pack && vec[words - 1] == 1 && may_run(vec)) {
-    std::vector<const char*> packed(n_);
-    for (int p = 0; p < n_; ++p) packed[p] = seg_.slot(s, p) + head;
-    run(packed);
+    for (int p = 0; p < n_; ++p) srcs[p] = seg_.slot(s, p) + head;  // (no second vector)
+    run(srcs);
     ran = true;
   }
   uint64_t read = next_phase();
@@ -267,9 +265,10 @@ class BorrowedSpin {
   int old_spin_, old_yields_;
 };
 
-uintptr_t packed_address(const char* packed) {
+// The i-th address a rank packed behind its vote words.
+uintptr_t packed_address(const void* packed, size_t i = 0) {
   uintptr_t a;
-  std::memcpy(&a, packed, sizeof a);
+  std::memcpy(&a, static_cast<const char*>(packed) + i * sizeof a, sizeof a);
   return a;
 }
 }  // namespace
@@ -290,7 +289,7 @@ bool ShmComm::vote_allgatherv(int32_t* vec, size_t words, const void* send_, voi
   // The peers' parts first, then the own part while the slower peers still read from this
   // rank (they wait for none of it; copied before the vote, it would hold up their reads).
   return vote_with(vec, words, &address, sizeof address, may_run,
-                   [&](const std::vector<const char*>& packed) {
+                   [&](const std::vector<const void*>& packed) {
                      read_parts(recv, byte_counts, displ,
                                 [&](int q) { return packed_address(packed[q]); }, ctx);
                    }, true, ctx, [&]() {
@@ -309,7 +308,7 @@ bool ShmComm::vote_broadcast(int32_t* vec, size_t words, void* buf_, size_t byte
   // Only the root waits for the readers (its buffer may change once it returns), making
   // its own result from `src` meanwhile.
   return vote_with(vec, words, &address, sizeof address, may_run,
-                   [&](const std::vector<const char*>& packed) {
+                   [&](const std::vector<const void*>& packed) {
                      if (rank_ != root) read_peer(root, buf, packed_address(packed[root]), bytes, ctx);
                    }, rank_ == root, ctx, [&]() {
                      if (src) std::memcpy(buf, src, bytes);
@@ -340,11 +339,11 @@ bool ShmComm::vote_allreduce(int32_t* vec, size_t words, const void* src_, void*
   const size_t step = std::max<size_t>(line, (256 * 1024 / item) / line * line);
   BorrowedSpin spin(ctx, data.spin_iters_, data.yield_iters_);
   return vote_with(vec, words, addresses, sizeof addresses, may_run,
-                   [&](const std::vector<const char*>& packed) {
+                   [&](const std::vector<const void*>& packed) {
     std::vector<uintptr_t> their_src(n_), their_dst(n_);
     for (int q = 0; q < n_; ++q) {
       their_src[q] = packed_address(packed[q]);
-      their_dst[q] = packed_address(packed[q] + sizeof(uintptr_t));
+      their_dst[q] = packed_address(packed[q], 1);
     }
     // 1. My slice: every rank's src (mine in place, the peers' read here), reduced in rank
     // order into my dst: the same bits whoever reduces.

@@ -218,7 +218,7 @@ class ShmComm {
   // when every rank packed and may_run says so, run(each rank's packed bytes) runs before
   // the slots are let go; with wait_read, the call returns only once every rank has run,
   // and `meanwhile` (if set) runs first, while the slower ranks still do.
-  using PackedRun = std::function<void(const std::vector<const char*>&)>;
+  using PackedRun = std::function<void(const std::vector<const void*>&)>;
   bool vote_with(int32_t* vec, size_t words, const void* pack, size_t pack_bytes,
                  const std::function<bool(const int32_t*)>& may_run, const PackedRun& run,
                  bool wait_read, WaitContext& ctx, const std::function<void()>& meanwhile = {});
