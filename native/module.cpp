@@ -120,9 +120,7 @@ py::object agree_allreduce(PyShm& s, int64_t bit, int64_t nbits, PyShm& data, co
   // addresses, and the bytes move in the same call.
   const bool packs = nbytes <= s.comm().vote_room(vote_word_count(s.comm().size(), nbits));
   ShmComm& bytes = data.comm();
-  const bool single = !packs && s.comm().vote_carries() && bytes.wants_cma_allreduce(nbytes) &&
-                      (from == to || static_cast<char*>(to) + nbytes <= static_cast<char*>(from) ||
-                       static_cast<char*>(from) + nbytes <= static_cast<char*>(to));
+  const bool single = !packs && s.comm().vote_carries() && bytes.wants_cma_allreduce(from, to, nbytes);
   return agree_then(s, bit, nbits, single ? "allreduce" : "agreement",
       [&](ShmComm& c, std::vector<int32_t>& vec, const MayRun& may_run, WaitContext& ctx) {
         if (single)  // (scaled slice by slice, as it is reduced)
@@ -140,6 +138,23 @@ py::object agree_allreduce(PyShm& s, int64_t bit, int64_t nbits, PyShm& data, co
       }, timeout_s, stop);
 }
 
+// An allgather or broadcast after its vote (agree_then): carried by the vote (`carried`,
+// ShmComm::vote_allgatherv or vote_broadcast) when this rank's data segment moves it
+// single-copy, else the plain vote and then `data_op` on the data segment. Every rank
+// decides alike: the vote's "packed" flag is 1 only when all of them packed.
+template <class Carried, class DataOp>
+py::object agree_carried(PyShm& s, int64_t bit, int64_t nbits, PyShm& data, bool wants_cma,
+                         const char* what, Carried carried, DataOp data_op, double timeout_s,
+                         const StopHook& stop) {
+  const bool packs = s.comm().vote_carries() && wants_cma;
+  return agree_then(s, bit, nbits, packs ? what : "agreement",
+      [&](ShmComm& c, std::vector<int32_t>& vec, const MayRun& may_run, WaitContext& ctx) {
+        if (!packs) return plain_vote(c, vec, may_run, ctx);
+        return carried(c, vec, may_run, ctx);
+      },
+      [&]() { data.run(what, timeout_s, stop, data_op); }, timeout_s, stop);
+}
+
 py::object agree_allgather(PyShm& s, int64_t bit, int64_t nbits, PyShm& data, const py::array& send,
                            const py::array& recv, const std::vector<int64_t>& byte_counts,
                            double timeout_s, const StopHook& stop) {
@@ -147,17 +162,12 @@ py::object agree_allgather(PyShm& s, int64_t bit, int64_t nbits, PyShm& data, co
   void* const to = data_of(recv);
   ShmComm& bytes = data.comm();
   // Single-copy: the vote carries this rank's address, and the peers read once it is out.
-  const bool packs = s.comm().vote_carries() && bytes.wants_cma_allgatherv(byte_counts);
-  return agree_then(s, bit, nbits, packs ? "allgather" : "agreement",
+  return agree_carried(s, bit, nbits, data, bytes.wants_cma_allgatherv(byte_counts), "allgather",
       [&](ShmComm& c, std::vector<int32_t>& vec, const MayRun& may_run, WaitContext& ctx) {
-        if (!packs) return plain_vote(c, vec, may_run, ctx);
         return c.vote_allgatherv(vec.data(), vec.size(), from, to, byte_counts, may_run, bytes, ctx);
       },
-      [&]() {
-        data.run("allgather", timeout_s, stop, [&](ShmComm& c, WaitContext& ctx) {
-          c.allgatherv(from, to, byte_counts, ctx);
-        });
-      }, timeout_s, stop);
+      [&](ShmComm& c, WaitContext& ctx) { c.allgatherv(from, to, byte_counts, ctx); },
+      timeout_s, stop);
 }
 
 py::object agree_broadcast(PyShm& s, int64_t bit, int64_t nbits, PyShm& data, const py::array& buf,
@@ -165,17 +175,12 @@ py::object agree_broadcast(PyShm& s, int64_t bit, int64_t nbits, PyShm& data, co
                            const void* src) {
   void* const p = data_of(buf);
   ShmComm& bytes = data.comm();
-  const bool packs = s.comm().vote_carries() && bytes.wants_cma_broadcast(nbytes);
-  return agree_then(s, bit, nbits, packs ? "broadcast" : "agreement",
+  return agree_carried(s, bit, nbits, data, bytes.wants_cma_broadcast(nbytes), "broadcast",
       [&](ShmComm& c, std::vector<int32_t>& vec, const MayRun& may_run, WaitContext& ctx) {
-        if (!packs) return plain_vote(c, vec, may_run, ctx);
         return c.vote_broadcast(vec.data(), vec.size(), p, nbytes, root, src, may_run, bytes, ctx);
       },
-      [&]() {
-        data.run("broadcast", timeout_s, stop, [&](ShmComm& c, WaitContext& ctx) {
-          c.broadcast(p, nbytes, root, ctx, src);
-        });
-      }, timeout_s, stop);
+      [&](ShmComm& c, WaitContext& ctx) { c.broadcast(p, nbytes, root, ctx, src); },
+      timeout_s, stop);
 }
 
 // The express path's start (a synchronous cached op from the thread that waits for it,

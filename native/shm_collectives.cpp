@@ -22,6 +22,19 @@ size_t clamp_len(int64_t total, size_t off, size_t cap) {
 
 size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
+// How `count` elements split into the slices each rank reduces (reduce_chunked, and
+// vote_allreduce): equal parts, each starting on a cache line, so no two owners write
+// one line; the last ones may be short or empty.
+struct Slices {
+  size_t count, size;
+  Slices(size_t count_, int n, size_t item)
+      : count(count_), size(round_up((count_ + n - 1) / n, 64 / item)) {}
+  std::pair<size_t, size_t> of(int r) const {
+    const size_t lo = std::min(count, static_cast<size_t>(r) * size);
+    return {lo, std::min(count, lo + size)};
+  }
+};
+
 void check_counts(const std::vector<int64_t>& v, int n, const char* what) {
   if (static_cast<int>(v.size()) != n)
     throw std::invalid_argument(std::string("shm ") + what + ": expected " + std::to_string(n) +
@@ -246,24 +259,13 @@ bool ShmComm::vote_with(int32_t* vec, size_t words, const void* pack, size_t pac
 }
 
 namespace {
-// The waits of one call poll and yield as another comm's do (restored after it; the
-// context is the calling thread's own, so no other thread sees the change).
-class BorrowedSpin {
- public:
-  BorrowedSpin(WaitContext& ctx, int spin, int yields)
-      : ctx_(ctx), old_spin_(ctx.spin_iters), old_yields_(ctx.yield_iters) {
-    ctx.spin_iters = spin;
-    ctx.yield_iters = yields;
-  }
-  ~BorrowedSpin() {
-    ctx_.spin_iters = old_spin_;
-    ctx_.yield_iters = old_yields_;
-  }
-
- private:
-  WaitContext& ctx_;
-  int old_spin_, old_yields_;
-};
+// The waits of a vote that carries an op poll and yield as the data segment's comm does
+// (the peers are already here, as for any data op after its vote). The context is the
+// calling thread's own and lives for this one call, so nothing needs restoring.
+void poll_as(WaitContext& ctx, int spin_iters, int yield_iters) {
+  ctx.spin_iters = spin_iters;
+  ctx.yield_iters = yield_iters;
+}
 
 // The i-th address a rank packed behind its vote words.
 uintptr_t packed_address(const void* packed, size_t i = 0) {
@@ -285,7 +287,7 @@ bool ShmComm::vote_allgatherv(int32_t* vec, size_t words, const void* send_, voi
   const size_t mine = static_cast<size_t>(byte_counts[rank_]);
   char* const own = recv + displ[rank_];
   const uintptr_t address = reinterpret_cast<uintptr_t>(send);
-  BorrowedSpin spin(ctx, data.spin_iters_, data.yield_iters_);
+  poll_as(ctx, data.spin_iters_, data.yield_iters_);
   // The peers' parts first, then the own part while the slower peers still read from this
   // rank (they wait for none of it; copied before the vote, it would hold up their reads).
   return vote_with(vec, words, &address, sizeof address, may_run,
@@ -304,7 +306,7 @@ bool ShmComm::vote_broadcast(int32_t* vec, size_t words, void* buf_, size_t byte
   char* buf = static_cast<char*>(buf_);
   const char* src = rank_ == root && src_ != buf_ ? static_cast<const char*>(src_) : nullptr;
   const uintptr_t address = rank_ == root ? reinterpret_cast<uintptr_t>(src ? src : buf) : 0;
-  BorrowedSpin spin(ctx, data.spin_iters_, data.yield_iters_);
+  poll_as(ctx, data.spin_iters_, data.yield_iters_);
   // Only the root waits for the readers (its buffer may change once it returns), making
   // its own result from `src` meanwhile.
   return vote_with(vec, words, &address, sizeof address, may_run,
@@ -325,19 +327,14 @@ bool ShmComm::vote_allreduce(int32_t* vec, size_t words, const void* src_, void*
   const size_t item = dtype_size(dtype);
   const char* const src = static_cast<const char*>(src_);
   char* const dst = static_cast<char*>(dst_);
-  if (src != dst && src < dst + count * item && dst < src + count * item)
+  if (partly_overlap(src, dst, count * item))
     throw std::invalid_argument("shm allreduce: src and dst overlap without being one buffer");
   const uintptr_t addresses[2] = {reinterpret_cast<uintptr_t>(src), reinterpret_cast<uintptr_t>(dst)};
-  // Slices start on cache lines (no false sharing between owners); the peers' pieces of
-  // one step stay in cache between their read and the reduction.
+  const Slices slices(count, n_, item);
+  // The peers' pieces of one step stay in cache between their read and the reduction.
   const size_t line = 64 / item;
-  const size_t slice = round_up((count + n_ - 1) / n_, line);
-  auto bounds = [&](int r) {
-    const size_t lo = std::min(count, static_cast<size_t>(r) * slice);
-    return std::make_pair(lo, std::min(count, lo + slice));
-  };
   const size_t step = std::max<size_t>(line, (256 * 1024 / item) / line * line);
-  BorrowedSpin spin(ctx, data.spin_iters_, data.yield_iters_);
+  poll_as(ctx, data.spin_iters_, data.yield_iters_);
   return vote_with(vec, words, addresses, sizeof addresses, may_run,
                    [&](const std::vector<const void*>& packed) {
     std::vector<uintptr_t> their_src(n_), their_dst(n_);
@@ -347,7 +344,7 @@ bool ShmComm::vote_allreduce(int32_t* vec, size_t words, const void* src_, void*
     }
     // 1. My slice: every rank's src (mine in place, the peers' read here), reduced in rank
     // order into my dst: the same bits whoever reduces.
-    const auto [lo, hi] = bounds(rank_);
+    const auto [lo, hi] = slices.of(rank_);
     if (hi > lo) {
       const size_t piece = std::min(step, hi - lo);
       if (cma_scratch_.size() < (n_ - 1) * piece * item) cma_scratch_.resize((n_ - 1) * piece * item);
@@ -373,7 +370,7 @@ bool ShmComm::vote_allreduce(int32_t* vec, size_t words, const void* src_, void*
     wait_all(reduced, ctx);
     for (int k = 1; k < n_; ++k) {
       const int q = (rank_ + k) % n_;
-      const auto [qlo, qhi] = bounds(q);
+      const auto [qlo, qhi] = slices.of(q);
       if (qhi > qlo)
         read_peer(q, dst + qlo * item, their_dst[q] + qlo * item, (qhi - qlo) * item, ctx);
     }
@@ -401,12 +398,11 @@ void ShmComm::reduce_chunked(const std::vector<Piece>& pieces, int dtype, int op
   // A buffer far bigger than the caches is written back with streaming stores.
   CopyFn plain = [](void* d, const void* s, size_t b) { std::memcpy(d, s, b); };
   CopyFn copy_out = count * item >= stream_bytes_ ? stream_copy() : plain;
-  const size_t line = 64 / item;  // slices start on cache lines: no false sharing
   std::vector<const void*> srcs(n_);
   for (size_t off = 0; off < count; off += chunk) {
     const size_t c = std::min(chunk, count - off);
-    const size_t slice = round_up((c + n_ - 1) / n_, line);
-    const size_t lo = std::min(c, rank_ * slice), hi = std::min(c, lo + slice);
+    const Slices slices(c, n_, item);
+    const auto [lo, hi] = slices.of(rank_);
     int s = acquire_set(true, ctx);
     char* const slot = seg_.slot(s, rank_);
     // Only the slices other ranks reduce go through shared memory; my own slice
@@ -437,7 +433,7 @@ void ShmComm::reduce_chunked(const std::vector<Piece>& pieces, int dtype, int op
       wait_all(reduced, ctx);
       for (int q = 0; q < n_; ++q) {
         if (q == rank_) continue;
-        const size_t qlo = std::min(c, q * slice), qhi = std::min(c, qlo + slice);
+        const auto [qlo, qhi] = slices.of(q);
         const char* const theirs = seg_.slot(s, q);
         unit.runs(off + qlo, off + qhi, [&](const char*, char* out, size_t at, size_t len) {
           copy_out(out, theirs + (at - off) * item, len * item);

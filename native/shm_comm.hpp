@@ -141,8 +141,16 @@ class ShmComm {
                       int dtype, int op, double factor,
                       const std::function<bool(const int32_t*)>& may_run, const ShmComm& data,
                       WaitContext& ctx);
-  bool wants_cma_allreduce(size_t bytes) const {
-    return n_ > 1 && cma_reduce_bytes_ && bytes >= cma_reduce_bytes_;
+  // Whether this comm reduces `bytes` from src into dst by CMA (vote_allreduce): big
+  // enough, and dst either src itself or apart from it (a partial overlap goes by the slots).
+  bool wants_cma_allreduce(const void* src, const void* dst, size_t bytes) const {
+    return n_ > 1 && cma_reduce_bytes_ && bytes >= cma_reduce_bytes_ && !partly_overlap(src, dst, bytes);
+  }
+  // Two buffers of `bytes` that share some bytes without being one buffer.
+  static bool partly_overlap(const void* a, const void* b, size_t bytes) {
+    const char* const x = static_cast<const char*>(a);
+    const char* const y = static_cast<const char*>(b);
+    return x != y && x < y + bytes && y < x + bytes;
   }
   // Whether this comm moves an allgatherv of these counts, or a broadcast of `bytes`, by CMA.
   bool wants_cma_allgatherv(const std::vector<int64_t>& byte_counts) const;
