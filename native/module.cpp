@@ -36,22 +36,11 @@ void* data_of(const py::array& a) { return const_cast<void*>(a.data()); }
 
 // Scaling after a reduction is done here for float32 and float64 (Horovod multiplies those
 // in their own type); other dtypes come with factor 1 and are scaled by the Python side.
-void check_factor(int dtype, double factor) {
-  if (factor != 1.0 && dtype != nbdist::kF32 && dtype != nbdist::kF64)
-    throw py::value_error("allreduce_into: a factor other than 1 needs float32 or float64");
-}
-
 // The words of an agreement vote (ShmComm::vote): one per rank, one per cache slot, and
 // the "packed" flag last.
 size_t vote_word_count(int n, int64_t nbits) { return static_cast<size_t>(n + nbits + 1); }
 std::vector<int32_t> vote_words(int n, int64_t nbits) {
   return std::vector<int32_t>(vote_word_count(n, nbits), 0);
-}
-
-void reduce_scaled(ShmComm& c, const void* src, void* dst, size_t count, int dtype, int op,
-                   double factor, WaitContext& ctx) {
-  c.allreduce(src, dst, count, dtype, op, ctx);
-  if (factor != 1.0) nbdist::scale_in_place(dst, count, dtype, factor);
 }
 
 // Quiet: no rank has items, and the op of cache bit `bit` is ready on every rank.
@@ -111,7 +100,7 @@ bool plain_vote(ShmComm& c, std::vector<int32_t>& vec, const MayRun& may_run, Wa
 py::object agree_allreduce(PyShm& s, int64_t bit, int64_t nbits, PyShm& data, const py::array& src,
                            const py::array& dst, size_t count, int dtype, int op, double factor,
                            double timeout_s, const StopHook& stop) {
-  check_factor(dtype, factor);
+  ShmComm::check_factor(dtype, factor);
   void* const from = data_of(src);
   void* const to = data_of(dst);
   const size_t nbytes = count * nbdist::dtype_size(dtype);
@@ -133,7 +122,7 @@ py::object agree_allreduce(PyShm& s, int64_t bit, int64_t nbits, PyShm& data, co
       },
       [&]() {
         data.run("allreduce", timeout_s, stop, [&](ShmComm& c, WaitContext& ctx) {
-          reduce_scaled(c, from, to, count, dtype, op, factor, ctx);
+          c.allreduce(from, to, count, dtype, op, ctx, factor);
         });
       }, timeout_s, stop);
 }
@@ -315,10 +304,10 @@ void bind_shm(py::module_& m) {
       .def("allreduce_into",
            [](PyShm& s, const py::array& src, const py::array& dst, size_t count, int dtype, int op,
               double factor, double timeout_s, py::object stop) {
-             check_factor(dtype, factor);
+             ShmComm::check_factor(dtype, factor);
              s.run("allreduce", timeout_s, stop, [&, from = data_of(src), to = data_of(dst)](
                                                      ShmComm& c, WaitContext& ctx) {
-               reduce_scaled(c, from, to, count, dtype, op, factor, ctx);
+               c.allreduce(from, to, count, dtype, op, ctx, factor);
              });
            },
            py::arg("src").noconvert(), py::arg("dst").noconvert(), py::arg("count"),
@@ -332,14 +321,12 @@ void bind_shm(py::module_& m) {
               py::object stop) {
              if (srcs.size() != dsts.size() || srcs.size() != counts.size())
                throw py::value_error("allreduce_pieces: srcs, dsts and counts differ in length");
-             check_factor(dtype, factor);
+             ShmComm::check_factor(dtype, factor);
              std::vector<ShmComm::Piece> pieces(srcs.size());
              for (size_t i = 0; i < srcs.size(); ++i)
                pieces[i] = {data_of(srcs[i]), data_of(dsts[i]), counts[i]};
              s.run("allreduce", timeout_s, stop, [&](ShmComm& c, WaitContext& ctx) {
-               c.allreduce_pieces(pieces, dtype, op, ctx);
-               if (factor != 1.0)
-                 for (const auto& p : pieces) nbdist::scale_in_place(p.dst, p.count, dtype, factor);
+               c.allreduce_pieces(pieces, dtype, op, ctx, factor);
              });
            },
            py::arg("srcs").noconvert(), py::arg("dsts").noconvert(), py::arg("counts"),

@@ -35,6 +35,13 @@ struct Slices {
   }
 };
 
+// The i-th address a rank packed behind its vote words, or wrote in its slot.
+uintptr_t packed_address(const void* packed, size_t i = 0) {
+  uintptr_t a;
+  std::memcpy(&a, static_cast<const char*>(packed) + i * sizeof a, sizeof a);
+  return a;
+}
+
 void check_counts(const std::vector<int64_t>& v, int n, const char* what) {
   if (static_cast<int>(v.size()) != n)
     throw std::invalid_argument(std::string("shm ") + what + ": expected " + std::to_string(n) +
@@ -53,10 +60,11 @@ class PieceRuns {
   }
   size_t count() const { return first_.back(); }
 
-  // f(src, dst, at, len) for each run of elements [begin, end): src and dst point at
-  // element `at` of the unit, in the piece that holds it; len elements stay in that piece.
+  // f(i, from, at, len) for each run of elements [begin, end) of the unit: the run starts
+  // at element `at` of the unit, which is element `from` of piece i; len elements stay in
+  // that piece.
   template <class F>
-  void runs(size_t begin, size_t end, F&& f) const {
+  void spans(size_t begin, size_t end, F&& f) const {
     if (begin >= end) return;
     // the last piece starting at or before `begin` that is not empty
     size_t i = static_cast<size_t>(std::upper_bound(first_.begin(), first_.end(), begin) -
@@ -64,11 +72,19 @@ class PieceRuns {
     for (; begin < end; ++i) {
       const size_t stop = std::min(end, first_[i + 1]);
       if (stop <= begin) continue;  // an empty piece
-      const size_t at = (begin - first_[i]) * item_;
-      f(static_cast<const char*>(pieces_[i].src) + at, static_cast<char*>(pieces_[i].dst) + at,
-        begin, stop - begin);
+      f(i, begin - first_[i], begin, stop - begin);
       begin = stop;
     }
+  }
+
+  // f(src, dst, at, len) for each run: spans(), with src and dst pointing at the run in
+  // its piece.
+  template <class F>
+  void runs(size_t begin, size_t end, F&& f) const {
+    spans(begin, end, [&](size_t i, size_t from, size_t at, size_t len) {
+      f(static_cast<const char*>(pieces_[i].src) + from * item_,
+        static_cast<char*>(pieces_[i].dst) + from * item_, at, len);
+    });
   }
 
  private:
@@ -116,23 +132,32 @@ void ShmComm::barrier(WaitContext& ctx) {
   wait_all(g, ctx);
 }
 
-void ShmComm::allreduce(const void* src, void* dst, size_t count, int dtype, int op, WaitContext& ctx) {
-  kernel_or_throw(dtype, op, ctx.what);
-  check_not_aborted(ctx);
+namespace {
+void scale_pieces(const std::vector<ShmComm::Piece>& pieces, int dtype, double factor) {
+  if (factor != 1.0)
+    for (const ShmComm::Piece& p : pieces) scale_in_place(p.dst, p.count, dtype, factor);
+}
+}  // namespace
+
+void ShmComm::allreduce(const void* src, void* dst, size_t count, int dtype, int op, WaitContext& ctx,
+                        double factor) {
+  const std::vector<Piece> one{Piece{src, dst, count}};
   const size_t bytes = count * dtype_size(dtype);
-  if (count == 0) return;
-  if (n_ == 1) {
-    if (src != dst) std::memcpy(dst, src, bytes);
+  if (n_ > 1 && bytes <= small_bytes_ && bytes <= slot_bytes_) {
+    kernel_or_throw(dtype, op, ctx.what);
+    check_factor(dtype, factor);
+    check_not_aborted(ctx);
+    allreduce_small(static_cast<const char*>(src), static_cast<char*>(dst), bytes, count, dtype, op, ctx);
+    scale_pieces(one, dtype, factor);
     return;
   }
-  if (bytes <= small_bytes_ && bytes <= slot_bytes_)
-    allreduce_small(static_cast<const char*>(src), static_cast<char*>(dst), bytes, count, dtype, op, ctx);
-  else
-    reduce_chunked({Piece{src, dst, count}}, dtype, op, -1, ctx);
+  allreduce_pieces(one, dtype, op, ctx, factor);
 }
 
-void ShmComm::allreduce_pieces(const std::vector<Piece>& pieces, int dtype, int op, WaitContext& ctx) {
+void ShmComm::allreduce_pieces(const std::vector<Piece>& pieces, int dtype, int op, WaitContext& ctx,
+                               double factor) {
   ReduceFn fn = kernel_or_throw(dtype, op, ctx.what);
+  check_factor(dtype, factor);
   check_not_aborted(ctx);
   const size_t item = dtype_size(dtype);
   size_t total = 0;
@@ -141,10 +166,17 @@ void ShmComm::allreduce_pieces(const std::vector<Piece>& pieces, int dtype, int 
   if (n_ == 1) {
     for (const Piece& p : pieces)
       if (p.src != p.dst && p.count) std::memcpy(p.dst, p.src, p.count * item);
-    return;
+    return scale_pieces(pieces, dtype, factor);
   }
   const size_t bytes = total * item;
-  if (bytes > small_bytes_ || bytes > slot_bytes_) return reduce_chunked(pieces, dtype, op, -1, ctx);
+  // Chosen by sizes alone (the same on every rank): single copy, each rank's (src, dst)
+  // table in its slot.
+  if (cma_reduce_bytes_ && bytes >= cma_reduce_bytes_ && pieces.size() * 2 * sizeof(uintptr_t) <= slot_bytes_)
+    return allreduce_cma(pieces, dtype, fn, factor, ctx);
+  if (bytes > small_bytes_ || bytes > slot_bytes_) {
+    reduce_chunked(pieces, dtype, op, -1, ctx);
+    return scale_pieces(pieces, dtype, factor);
+  }
   // As allreduce_small, with the pieces packed into the slot and reduced out of it.
   int s = acquire_set(true, ctx);
   char* slot = seg_.slot(s, rank_);
@@ -164,6 +196,37 @@ void ShmComm::allreduce_pieces(const std::vector<Piece>& pieces, int dtype, int 
   }
   uint64_t read = next_phase();
   post(read);
+  release_set(s, read);
+  scale_pieces(pieces, dtype, factor);
+}
+
+void ShmComm::allreduce_cma(const std::vector<Piece>& given, int dtype, ReduceFn fn, double factor,
+                            WaitContext& ctx) {
+  const size_t item = dtype_size(dtype);
+  // A piece whose src partly overlaps its dst (no API path passes one) is read from a copy,
+  // so that the choice of this path stays a matter of sizes.
+  std::vector<Piece> pieces = given;
+  std::vector<std::vector<char>> copies;
+  for (Piece& p : pieces) {
+    const char* from = static_cast<const char*>(p.src);
+    if (partly_overlap(p.src, p.dst, p.count * item))
+      p.src = copies.emplace_back(from, from + p.count * item).data();
+  }
+  int s = acquire_set(true, ctx);
+  char* const table = seg_.slot(s, rank_);
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const uintptr_t pair[2] = {reinterpret_cast<uintptr_t>(pieces[i].src),
+                               reinterpret_cast<uintptr_t>(pieces[i].dst)};
+    std::memcpy(table + i * sizeof pair, pair, sizeof pair);
+  }
+  uint64_t published = next_phase();
+  post(published);
+  wait_all(published, ctx);
+  reduce_cma(pieces, dtype, fn, factor, [&](int q, size_t k) { return packed_address(seg_.slot(s, q), k); },
+             ctx);
+  uint64_t read = next_phase();  // every rank's buffers and table read: they may change now
+  post(read);
+  wait_all(read, ctx);
   release_set(s, read);
 }
 
@@ -267,12 +330,6 @@ void poll_as(WaitContext& ctx, int spin_iters, int yield_iters) {
   ctx.yield_iters = yield_iters;
 }
 
-// The i-th address a rank packed behind its vote words.
-uintptr_t packed_address(const void* packed, size_t i = 0) {
-  uintptr_t a;
-  std::memcpy(&a, static_cast<const char*>(packed) + i * sizeof a, sizeof a);
-  return a;
-}
 }  // namespace
 
 bool ShmComm::vote_allgatherv(int32_t* vec, size_t words, const void* send_, void* recv_,
@@ -322,59 +379,79 @@ bool ShmComm::vote_allreduce(int32_t* vec, size_t words, const void* src_, void*
                              const std::function<bool(const int32_t*)>& may_run,
                              const ShmComm& data, WaitContext& ctx) {
   ReduceFn fn = kernel_or_throw(dtype, op, ctx.what);
-  if (factor != 1.0 && dtype != kF32 && dtype != kF64)
-    throw std::invalid_argument("shm allreduce: a factor other than 1 needs float32 or float64");
+  check_factor(dtype, factor);
   const size_t item = dtype_size(dtype);
-  const char* const src = static_cast<const char*>(src_);
-  char* const dst = static_cast<char*>(dst_);
-  if (partly_overlap(src, dst, count * item))
+  if (partly_overlap(src_, dst_, count * item))
     throw std::invalid_argument("shm allreduce: src and dst overlap without being one buffer");
-  const uintptr_t addresses[2] = {reinterpret_cast<uintptr_t>(src), reinterpret_cast<uintptr_t>(dst)};
-  const Slices slices(count, n_, item);
-  // The peers' pieces of one step stay in cache between their read and the reduction.
-  const size_t line = 64 / item;
-  const size_t step = std::max<size_t>(line, (256 * 1024 / item) / line * line);
+  const uintptr_t addresses[2] = {reinterpret_cast<uintptr_t>(src_), reinterpret_cast<uintptr_t>(dst_)};
+  const std::vector<Piece> one{Piece{src_, dst_, count}};
   poll_as(ctx, data.spin_iters_, data.yield_iters_);
   return vote_with(vec, words, addresses, sizeof addresses, may_run,
                    [&](const std::vector<const void*>& packed) {
-    std::vector<uintptr_t> their_src(n_), their_dst(n_);
-    for (int q = 0; q < n_; ++q) {
-      their_src[q] = packed_address(packed[q]);
-      their_dst[q] = packed_address(packed[q], 1);
-    }
-    // 1. My slice: every rank's src (mine in place, the peers' read here), reduced in rank
-    // order into my dst: the same bits whoever reduces.
-    const auto [lo, hi] = slices.of(rank_);
-    if (hi > lo) {
-      const size_t piece = std::min(step, hi - lo);
-      if (cma_scratch_.size() < (n_ - 1) * piece * item) cma_scratch_.resize((n_ - 1) * piece * item);
-      std::vector<const void*> srcs(n_);
-      for (size_t off = lo; off < hi; off += piece) {
-        const size_t len = std::min(piece, hi - off);
-        char* at = cma_scratch_.data();
-        for (int k = 1; k < n_; ++k) {  // start at a different peer on each rank
-          const int q = (rank_ + k) % n_;
-          read_peer(q, at, their_src[q] + off * item, len * item, ctx);
-          srcs[q] = at;
+                     reduce_cma(one, dtype, fn, factor,
+                                [&](int q, size_t k) { return packed_address(packed[q], k); }, ctx);
+                   }, true, ctx);  // (and every rank's dst read by all before it returns)
+}
+
+void ShmComm::reduce_cma(const std::vector<Piece>& pieces, int dtype, ReduceFn fn, double factor,
+                         const std::function<uintptr_t(int, size_t)>& address, WaitContext& ctx) {
+  const size_t item = dtype_size(dtype);
+  const PieceRuns unit(pieces, item);
+  const Slices slices(unit.count(), n_, item);
+  // Steps of 256 KiB: the peers' pieces of one step stay in cache between their read and
+  // the reduction (128 KiB and 512 KiB were no faster, docs/native.md).
+  const size_t line = 64 / item;
+  const size_t step = std::max<size_t>(line, (256 * 1024 / item) / line * line);
+  std::vector<const void*> srcs(n_);
+  std::vector<const char*> theirs(n_);  // each peer's part of the current step, in the scratch
+  std::vector<struct iovec> local, remote;
+  // 1. My slice: every rank's src (mine in place, the peers' read here), reduced in rank
+  // order into my dst: the same bits whoever reduces; scaled while it is in cache.
+  const auto [lo, hi] = slices.of(rank_);
+  if (hi > lo) {
+    const size_t piece = std::min(step, hi - lo);
+    if (cma_scratch_.size() < (n_ - 1) * piece * item) cma_scratch_.resize((n_ - 1) * piece * item);
+    for (size_t off = lo; off < hi; off += piece) {
+      const size_t end = std::min(hi, off + piece);
+      char* at = cma_scratch_.data();
+      for (int k = 1; k < n_; ++k) {  // start at a different peer on each rank
+        const int q = (rank_ + k) % n_;
+        local.clear();
+        remote.clear();
+        theirs[q] = at;
+        unit.spans(off, end, [&](size_t i, size_t from, size_t, size_t len) {
+          local.push_back({at, len * item});
+          remote.push_back({reinterpret_cast<void*>(address(q, 2 * i) + from * item), len * item});
           at += len * item;
-        }
-        srcs[rank_] = src + off * item;
-        fn(dst + off * item, srcs.data(), n_, len);
-        if (factor != 1.0) scale_in_place(dst + off * item, len, dtype, factor);  // (in cache)
+        });
+        read_peer_runs(q, local, remote, ctx);
       }
+      unit.spans(off, end, [&](size_t i, size_t from, size_t u, size_t len) {
+        for (int q = 0; q < n_; ++q)
+          srcs[q] = q == rank_ ? static_cast<const char*>(pieces[i].src) + from * item
+                               : theirs[q] + (u - off) * item;
+        char* const out = static_cast<char*>(pieces[i].dst) + from * item;
+        fn(out, srcs.data(), n_, len);
+        if (factor != 1.0) scale_in_place(out, len, dtype, factor);
+      });
     }
-    // 2. Once every slice is reduced (and so every src read: an in-place op's src is about
-    // to be overwritten), the other slices from their owners' dst.
-    const uint64_t reduced = next_phase();
-    post(reduced);
-    wait_all(reduced, ctx);
-    for (int k = 1; k < n_; ++k) {
-      const int q = (rank_ + k) % n_;
-      const auto [qlo, qhi] = slices.of(q);
-      if (qhi > qlo)
-        read_peer(q, dst + qlo * item, their_dst[q] + qlo * item, (qhi - qlo) * item, ctx);
-    }
-  }, true, ctx);  // (and every rank's dst read by all before it returns)
+  }
+  // 2. Once every slice is reduced (and so every src read: an in-place op's src is about
+  // to be overwritten), the other slices from their owners' dst.
+  const uint64_t reduced = next_phase();
+  post(reduced);
+  wait_all(reduced, ctx);
+  for (int k = 1; k < n_; ++k) {
+    const int q = (rank_ + k) % n_;
+    const auto [qlo, qhi] = slices.of(q);
+    local.clear();
+    remote.clear();
+    unit.spans(qlo, qhi, [&](size_t i, size_t from, size_t, size_t len) {
+      local.push_back({static_cast<char*>(pieces[i].dst) + from * item, len * item});
+      remote.push_back({reinterpret_cast<void*>(address(q, 2 * i + 1) + from * item), len * item});
+    });
+    read_peer_runs(q, local, remote, ctx);
+  }
 }
 
 bool ShmComm::wants_cma_allgatherv(const std::vector<int64_t>& byte_counts) const {
@@ -635,6 +712,30 @@ void ShmComm::read_peer(int q, char* dst, uintptr_t src, size_t len, WaitContext
     dst += got;
     src += static_cast<uintptr_t>(got);
     len -= static_cast<size_t>(got);
+  }
+}
+
+void ShmComm::read_peer_runs(int q, const std::vector<struct iovec>& local,
+                             const std::vector<struct iovec>& remote, WaitContext& ctx) {
+  constexpr size_t kBatch = 1024;  // IOV_MAX on Linux
+  for (size_t b = 0; b < local.size(); b += kBatch) {
+    const size_t k = std::min(kBatch, local.size() - b);
+    size_t want = 0;
+    for (size_t i = b; i < b + k; ++i) want += local[i].iov_len;
+    ssize_t got;
+    do {
+      got = process_vm_readv(hdr_->ranks[q].pid, &local[b], k, &remote[b], k, 0);
+    } while (got < 0 && errno == EINTR);
+    if (got == static_cast<ssize_t>(want)) continue;
+    // Short, or failed: the rest run by run (read_peer names a dead peer, or the error).
+    size_t done = got > 0 ? static_cast<size_t>(got) : 0;
+    for (size_t i = b; i < b + k; ++i) {
+      const size_t len = local[i].iov_len, skip = std::min(done, len);
+      done -= skip;
+      if (skip < len)
+        read_peer(q, static_cast<char*>(local[i].iov_base) + skip,
+                  reinterpret_cast<uintptr_t>(remote[i].iov_base) + skip, len - skip, ctx);
+    }
   }
 }
 

@@ -13,15 +13,17 @@
 // slower ones still reduce the current one: copying and reducing overlap.
 #pragma once
 
+#include <sys/uio.h>
+
 #include <atomic>
 #include <chrono>
-#include <cstdint>
 #include <cstdint>
 #include <functional>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "kernels.hpp"
 #include "shm_segment.hpp"
 
 namespace nbdist {
@@ -71,8 +73,10 @@ class ShmComm {
   void allreduce(void* buf, size_t count, int dtype, int op, WaitContext& ctx) {
     allreduce(buf, buf, count, dtype, op, ctx);
   }
-  // Out of place: reads `src` (which may be `dst`), writes the result to `dst` only.
-  void allreduce(const void* src, void* dst, size_t count, int dtype, int op, WaitContext& ctx);
+  // Out of place: reads `src` (which may be `dst`), writes the result to `dst` only, scaled
+  // by `factor` (float32 and float64 only; single copy scales each slice as it is reduced).
+  void allreduce(const void* src, void* dst, size_t count, int dtype, int op, WaitContext& ctx,
+                 double factor = 1.0);
   // One allreduce over several buffers of one dtype (a fused unit of the engine): each
   // piece's src is reduced into its dst. Pieces that fit a slot together are packed
   // straight into it and reduced from it into each dst; a bigger unit is reduced chunk by
@@ -83,7 +87,14 @@ class ShmComm {
     void* dst;
     size_t count;
   };
-  void allreduce_pieces(const std::vector<Piece>& pieces, int dtype, int op, WaitContext& ctx);
+  // A result scaled by a factor other than 1 must be float32 or float64 (else throws).
+  static void check_factor(int dtype, double factor) {
+    if (factor != 1.0 && dtype != kF32 && dtype != kF64)
+      throw std::invalid_argument("allreduce: a factor other than 1 needs float32 or float64");
+  }
+  // From cma_reduce_bytes_ (set_cma_allreduce_bytes) a unit goes single-copy (allreduce_cma).
+  void allreduce_pieces(const std::vector<Piece>& pieces, int dtype, int op, WaitContext& ctx,
+                        double factor = 1.0);
   void reduce(void* buf, size_t count, int dtype, int op, int root, WaitContext& ctx);
   // `src` (the root's, else ignored): the root sends src and copies it into buf as well,
   // while the peers read where the path allows (an out-of-place broadcast's result).
@@ -203,8 +214,9 @@ class ShmComm {
     cma_bytes_ = broadcast;
     cma_gather_bytes_ = allgather;
   }
-  // Allreduces of at least `bytes` that an agreement's vote carries (vote_allreduce) go
-  // single-copy; 0: never. As set_cma_bytes: the same on every rank, after the probe.
+  // Allreduces of at least `bytes` go single-copy: those an agreement's vote carries
+  // (vote_allreduce), and those run on this segment (allreduce, allreduce_pieces:
+  // allreduce_cma); 0: never. As set_cma_bytes: the same on every rank, after the probe.
   void set_cma_allreduce_bytes(size_t bytes) { cma_reduce_bytes_ = bytes; }
 
  private:
@@ -241,6 +253,21 @@ class ShmComm {
                       WaitContext& ctx);
   void broadcast_cma(char* buf, size_t bytes, int root, WaitContext& ctx, const char* src);
   void read_peer(int q, char* dst, uintptr_t src, size_t len, WaitContext& ctx);
+  // Runs of rank q's memory, remote[i] into local[i] (equal lengths), in as few
+  // process_vm_readv calls as the iovec limit allows.
+  void read_peer_runs(int q, const std::vector<struct iovec>& local,
+                      const std::vector<struct iovec>& remote, WaitContext& ctx);
+  // Single-copy allreduce of a unit with syncs of its own: each rank's (src, dst) per
+  // piece goes into its slot, then reduce_cma, then one sync before any buffer may change.
+  void allreduce_cma(const std::vector<Piece>& pieces, int dtype, ReduceFn fn, double factor,
+                     WaitContext& ctx);
+  // The single-copy reduction once every rank's addresses are out (address(q, 2i) is rank
+  // q's src of piece i, address(q, 2i + 1) its dst): each rank reduces its slice of the
+  // unit from every rank's src (the peers' parts read by CMA a step at a time into
+  // cma_scratch_), all sync once, and each reads the other slices from their owners' dst.
+  // The caller syncs once more before any rank's buffers may change.
+  void reduce_cma(const std::vector<Piece>& pieces, int dtype, ReduceFn fn, double factor,
+                  const std::function<uintptr_t(int, size_t)>& address, WaitContext& ctx);
   void allreduce_small(const char* src, char* dst, size_t bytes, size_t count, int dtype, int op,
                        WaitContext& ctx);
   void reduce_chunked(const std::vector<Piece>& pieces, int dtype, int op, int root,
@@ -260,8 +287,8 @@ class ShmComm {
   size_t stream_bytes_ = SIZE_MAX;
   size_t cma_bytes_ = 0;         // broadcast
   size_t cma_gather_bytes_ = 0;  // allgather
-  size_t cma_reduce_bytes_ = 0;  // allreduce (carried by a vote only)
-  std::vector<char> cma_scratch_;  // vote_allreduce's peer pieces
+  size_t cma_reduce_bytes_ = 0;  // allreduce
+  std::vector<char> cma_scratch_;  // reduce_cma's peer pieces
   bool vote_carries_ = true;
   std::atomic<uint64_t> doorbell_{0};  // ring() count (this process only)
   std::atomic<int> idle_sleeping_{0};  // wait_activity is (about to be) in FUTEX_WAIT

@@ -53,6 +53,26 @@ def shm_single_copy():
 
 
 @pytest.fixture(scope="module")
+def shm_single_copy_allreduce():
+    """Every allreduce that is not small single-copy: each rank reduces its slice from the
+    peers' buffers (process_vm_readv), where that works here."""
+    saved = os.environ.get("NBDIST_SHM_CMA_ALLREDUCE_BYTES")
+    os.environ["NBDIST_SHM_CMA_ALLREDUCE_BYTES"] = "1"
+    try:
+        t = ShmTransport(COMM, RANK, timeout_s=60)
+    finally:
+        if saved is None:
+            del os.environ["NBDIST_SHM_CMA_ALLREDUCE_BYTES"]
+        else:
+            os.environ["NBDIST_SHM_CMA_ALLREDUCE_BYTES"] = saved
+    if not t.single_copy_bytes[2]:
+        t.close()
+        pytest.skip("process_vm_readv is not allowed here")
+    yield t
+    t.close()
+
+
+@pytest.fixture(scope="module")
 def shm_default():
     t = ShmTransport(COMM, RANK, timeout_s=60)
     yield t
@@ -166,6 +186,60 @@ def test_a_unit_bigger_than_a_slot_is_reduced_in_its_pieces(shm, dtype, op):
         same(dst, reference(n, dtype, op))
         if i % 3 != 1:
             same(srcs[i], before[i])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("op", OPS, ids=lambda o: o.name)
+def test_single_copy_allreduce(shm_single_copy_allreduce, dtype, op):
+    # 70_001 elements: past the small path, so single copy; slices of every rank start
+    # on a cache line, and the last one is short
+    t = shm_single_copy_allreduce
+    buf = contribution(RANK, 70_001, dtype, op)
+    t.allreduce(buf, op)
+    same(buf, reference(70_001, dtype, op))
+    src = contribution(RANK, 70_001, dtype, op)
+    before = src.copy()
+    dst = np.full(70_001, 3, dtype)
+    t.allreduce_into(src, dst, op)
+    same(dst, reference(70_001, dtype, op))
+    same(src, before)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=lambda d: np.dtype(d).name)
+def test_single_copy_allreduce_scales_each_slice(shm_single_copy_allreduce, dtype):
+    src = contribution(RANK, 300_007, dtype, ReduceOp.Sum)  # more than one 256 KiB step
+    want = reference(300_007, dtype, ReduceOp.Sum)
+    want *= np.dtype(dtype).type(1.0 / 3.0)
+    shm_single_copy_allreduce.allreduce_into(src, src, ReduceOp.Sum, 1.0 / 3.0)
+    same(src, want)
+
+
+def test_single_copy_allreduce_of_many_pieces(shm_single_copy_allreduce):
+    # A fused unit of 2500 pieces, most of 3 elements (more runs per step than one
+    # process_vm_readv takes), some empty, some in place, one bigger than a step.
+    sizes = [3] * 2500
+    sizes[7] = sizes[1000] = sizes[2499] = 0
+    sizes[1500] = 100_003
+    srcs = [contribution(RANK, n, np.float32, ReduceOp.Sum) + i for i, n in enumerate(sizes)]
+    want = [functools.reduce(np.add, [contribution(r, n, np.float32, ReduceOp.Sum) + i
+                                      for r in range(SIZE)]) * np.float32(0.5)
+            for i, n in enumerate(sizes)]
+    before = [s.copy() for s in srcs]
+    dsts = [s if i % 5 == 0 else np.full(n, 9, np.float32) for i, (n, s) in enumerate(zip(sizes, srcs))]
+    shm_single_copy_allreduce.allreduce_pieces(srcs, dsts, ReduceOp.Sum, 0.5)
+    for i in range(len(sizes)):
+        same(dsts[i], want[i].astype(np.float32))
+        if i % 5:
+            same(srcs[i], before[i])
+
+
+def test_single_copy_allreduce_of_a_partly_overlapping_result(shm_single_copy_allreduce):
+    # dst starts one element into src: the input is read as it was before the call
+    n = 100_000
+    buf = np.zeros(n + 1, np.float64)
+    buf[:n] = contribution(RANK, n, np.float64, ReduceOp.Sum)
+    shm_single_copy_allreduce.allreduce_into(buf[:n], buf[1:], ReduceOp.Sum)
+    same(buf[1:], reference(n, np.float64, ReduceOp.Sum))
 
 
 def test_allreduce_2d_and_bool_rejected(shm):

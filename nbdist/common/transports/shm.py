@@ -100,10 +100,11 @@ class ShmTransport(Transport):
         cma_gather = _env_int("NBDIST_SHM_CMA_ALLGATHER_BYTES",
                               cma_given if cma_given >= 0
                               else (256 * 1024 if oversubscribed else 16 * 1024))
-        # An allreduce goes single-copy only where the agreement's vote carries it (its
-        # addresses travel with the vote: ShmComm::vote_allreduce).
-        # Below a few MiB the slots win (cache-warm, no page pinning): crossovers measured
-        # through the API at 2 MiB (2 ranks) and 4 MiB (4 ranks on 2 cores).
+        # An allreduce goes single-copy from the same size whether the agreement's vote
+        # carries its addresses (ShmComm::vote_allreduce) or it syncs on its own
+        # (allreduce_cma: fused units, raw calls). Below a few MiB the slots win
+        # (cache-warm, no page pinning): crossovers measured through the API at 2 MiB
+        # (2 ranks) and 4 MiB (4 ranks on 2 cores), for both.
         cma_reduce = _env_int("NBDIST_SHM_CMA_ALLREDUCE_BYTES",
                               cma_given if cma_given >= 0
                               else (4 * MiB if oversubscribed else 2 * MiB))
