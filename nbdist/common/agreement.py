@@ -200,7 +200,8 @@ class ShmAgreement:
             if now - req.sent_at > DEMOTE_S or not self._bit_ok(req.name):
                 del self.bit_pending[cid]
                 items.append(_request_item(req, cid))
-        items += [("a", item[1]) for item in control]  # the engine's control items: aborts
+        # the engine's control items: aborts, and rank 0's fusion threshold changes
+        items += [("a" if item[0] == "abort" else "f", item[1]) for item in control]
         if (self.rank == 0 and coord.pending
                 and now - self.last_stall_check >= STALL_CHECK_INTERVAL_S):
             self.last_stall_check = now
@@ -326,6 +327,8 @@ class ShmAgreement:
                         units += [[resp] for resp in coord.add(r, item[1])]
                     elif tag == "t":
                         units += [[resp] for resp in coord.fail_stalled(item[1], item[2])]
+                    elif tag == "f":  # before this cycle's units are fused, on every replica
+                        coord.fusion_threshold = item[1]
         if coord.ready:
             by_id = coord.cache_by_id
             units += [[by_id[e].response if e.__class__ is int else e for e in unit]

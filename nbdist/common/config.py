@@ -59,9 +59,10 @@ class Config:
     timeout_s: float = 600.0  # NBDIST_TIMEOUT_S (0: wait for ever); HOROVOD_STALL_SHUTDOWN_TIME_SECONDS
     cpu_operations: str = "auto"  # NBDIST_CPU_OPERATIONS / HOROVOD_CPU_OPERATIONS: auto|mpi|shm
     local_size: int = 0  # NBDIST_LOCAL_SIZE: pretend nodes of this many ranks (1: each rank its own node)
-    # NBDIST_AUTOTUNE / HOROVOD_AUTOTUNE: torch's DistributedOptimizer picks its bucket size
-    # by measurement (nbdist/torch/autotune.py), measuring AUTOTUNE_STEPS_PER_SAMPLE steps
-    # per candidate after NBDIST_AUTOTUNE_WARMUP_STEPS; the scores go to AUTOTUNE_LOG (CSV)
+    # NBDIST_AUTOTUNE / HOROVOD_AUTOTUNE: the unit of gradient fusion is chosen by measurement
+    # (nbdist/common/autotune.py): torch's DistributedOptimizer bucket size, TensorFlow's
+    # engine fusion threshold; AUTOTUNE_STEPS_PER_SAMPLE steps per candidate after
+    # NBDIST_AUTOTUNE_WARMUP_STEPS; the scores go to AUTOTUNE_LOG (CSV)
     autotune: bool = False
     autotune_steps: int = 10
     autotune_warmup: int = 2

@@ -148,7 +148,8 @@ class Engine:
         self.comm = topology.control_comm
         self.epoch = 0
         self._queue: collections.deque = collections.deque()
-        self._control: collections.deque = collections.deque()  # aborts to send
+        # aborts to send, and rank 0's fusion threshold changes (set_fusion_threshold)
+        self._control: collections.deque = collections.deque()
         self._cv = threading.Condition()
         self._local: dict[str, Request] = {}  # sent, waiting for a response
         self._names_in_flight: set[str] = set()
@@ -356,6 +357,21 @@ class Engine:
             elif now >= deadline:
                 return
             os.sched_yield()  # a peer sharing this core gets to submit its op
+
+    def set_fusion_threshold(self, nbytes: int) -> None:
+        """Fuse ready allreduces up to `nbytes` a unit (0: none) from the next cycle that
+        agrees on ops (autotune). Rank 0's call decides for every rank, and the others' is
+        ignored: the MPI coordinator is rank 0, and with the shm agreement rank 0 sends the
+        change as an item, which every replica applies at the same place in the same cycle
+        (a change made by each rank at its own moment could fuse one cycle's ops in
+        different units on different ranks)."""
+        if self.rank != 0:
+            return
+        with self._cv:
+            self._control.append(("fusion", int(nbytes)))
+            self._cv.notify()
+        if self.agreement is not None:
+            self.agreement.ring()
 
     def abort(self, reason: str, wait_s: float = 5.0) -> None:
         """Fail every op in flight on every rank with `reason`.
@@ -616,6 +632,9 @@ class Engine:
     def _on_message(self, message: tuple) -> None:
         kind, epoch, rank = message[0], message[1], message[2]
         coord = self.coordinator
+        if kind == "fusion":  # (rank 0's own: set_fusion_threshold)
+            coord.fusion_threshold = message[3]
+            return
         if kind == "abort":
             if epoch < coord.epoch:
                 return  # another abort already failed that rank's ops (its abort() sees it)

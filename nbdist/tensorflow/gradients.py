@@ -11,16 +11,26 @@ DistributedGradientTape already reduced does not reduce them a second time.
 """
 from __future__ import annotations
 
+import threading
+
+import numpy as np
 import tensorflow as tf
 
 from nbdist import common as _c
 from nbdist.common import process_sets as _ps
+from nbdist.common.autotune import MiB, SizeTuner
 
 from . import _bridge, _naming
 from .compression import Compression
 from .mpi_ops import check_process_set
 
 _MARK = "_nbdist_reduced"
+# NBDIST_AUTOTUNE: the engine's fusion thresholds tried besides the configured one (0: each
+# gradient an allreduce of its own). A step's gradients are fused by the engine, so its
+# threshold is TensorFlow's unit of fusion (nbdist.common.autotune).
+TUNED_FUSION_BYTES = (16 * MiB, 4 * MiB, 1 * MiB, 0)
+_tuning = threading.Lock()  # (waits of two reductions may end at once, on TF's threads)
+_tuned: tuple | None = None  # (the engine, its SizeTuner): a new one after init() again
 
 
 def mark_reduced(grad):
@@ -102,13 +112,22 @@ def reduce_gradients(grads, variables, prefix: str, op=None, compression=Compres
     for i in sparse_at:
         op_names.extend([f"{names[i]}.values", f"{names[i]}.indices"])
 
+    tuned = ps is None and _c.basics.config().autotune  # the global engine's threshold
+
     def submit(*arrays):
         handles = [_c.allreduce_async(a, op=op, name=n, prescale_factor=prescale,
                                       postscale_factor=postscale, process_set=ps)
                    for a, n in zip(arrays[:n_dense], op_names[:n_dense])]
         handles += [_c.allgather_async(a, name=n, process_set=ps)
                     for a, n in zip(arrays[n_dense:], op_names[n_dense:])]
-        return lambda: [_c.synchronize(h) for h in handles]
+
+        def wait():
+            results = [_c.synchronize(h) for h in handles]
+            if tuned:
+                _step_done()
+            return results
+
+        return wait
 
     shapes = [t.shape for t in inputs[:n_dense]]
     shapes += [tf.TensorShape([None]).concatenate(t.shape[1:]) for t in inputs[n_dense:]]
@@ -125,3 +144,35 @@ def reduce_gradients(grads, variables, prefix: str, op=None, compression=Compres
             values = values * tf.cast(sparse_scale, values.dtype)
         result[i] = tf.IndexedSlices(values, indices, dense_shape=grads[i].dense_shape)
     return [mark_reduced(g) for g in result]
+
+
+def _step_done() -> None:
+    """NBDIST_AUTOTUNE: a step's gradients are reduced; the tuner may move the global
+    engine's fusion threshold to its next candidate (or the one chosen), which the engine
+    applies on every rank at the same cycle (Engine.set_fusion_threshold)."""
+    global _tuned
+    engine = _c.basics.engine()
+    with _tuning:
+        if _tuned is None or _tuned[0] is not engine:
+            config = _c.basics.config()
+            tuner = SizeTuner("engine fusion_threshold", config.fusion_threshold,
+                              TUNED_FUSION_BYTES, config.autotune_steps, config.autotune_warmup,
+                              _slowest, config.autotune_log, _c.rank() == 0,
+                              zero_label="no fusion")
+            _tuned = (engine, tuner)
+            engine.set_fusion_threshold(tuner.size)  # the schedule's first: the biggest
+        tuner = _tuned[1]
+        if tuner.step_done():
+            engine.set_fusion_threshold(tuner.size)
+
+
+def _slowest(seconds: float) -> float:
+    """The largest of the ranks' `seconds` (the autotuner's score of a fusion threshold)."""
+    times = _c.allreduce(np.array([seconds]), op=_c.Max, name="nbdist.autotune.fusion_threshold")
+    return float(times[0])
+
+
+def fusion_autotune_scores() -> dict:
+    """With NBDIST_AUTOTUNE: each fusion threshold tried so far -> the slowest rank's median
+    seconds per step (empty without autotune, or before the first step)."""
+    return dict(_tuned[1].scores) if _tuned is not None else {}

@@ -24,8 +24,8 @@ import torch
 
 from nbdist import common as _c
 from nbdist.common import world as _world
+from nbdist.common.autotune import MiB, SizeTuner
 
-from .autotune import BucketTuner
 from .compression import Compression
 from .mpi_ops import (Adasum, Average, _SparseHandle, allreduce_async_,
                       allreduce_pieces_async_, grouped_allreduce_async_,
@@ -39,6 +39,8 @@ _classes: dict = {}  # one distributed subclass per wrapped optimizer class
 # model; the new optimizer then takes the parameters over, or the old hooks would submit
 # every gradient twice.
 _OWNER = "_nbdist_hooked_by"
+# NBDIST_AUTOTUNE: bucket sizes tried besides the configured one; 0: one op per gradient
+TUNED_BUCKET_BYTES = (25 * MiB, 4 * MiB, 1 * MiB, 0)
 
 
 class _Bucket:
@@ -100,7 +102,7 @@ class _DistributedMixin:
         self._bucketing = not self._group_of and op != Adasum and self._bucket_bytes > 0
         self._sparse: set = set()  # parameters whose gradients took the sparse path
         self._layout_order: tuple | None = None  # (names in rank 0's hook order, sparse names)
-        self._tuner: BucketTuner | None = None
+        self._tuner: SizeTuner | None = None
         self._drop_buckets()
         # One rank has nothing to average with: behave as the plain optimizer (as Horovod).
         # A rank outside the optimizer's process set trains alone (as in Horovod).
@@ -109,10 +111,11 @@ class _DistributedMixin:
         if self._active:
             self._register_hooks()
             if self._bucketing and config.autotune:
-                self._tuner = BucketTuner(
-                    self._bucket_bytes, config.autotune_steps, config.autotune_warmup,
-                    self._slowest, config.autotune_log,
-                    _c.process_sets.rank_in(process_set) == 0)
+                self._tuner = SizeTuner(
+                    "DistributedOptimizer bucket_bytes", self._bucket_bytes, TUNED_BUCKET_BYTES,
+                    config.autotune_steps, config.autotune_warmup, self._slowest,
+                    config.autotune_log, _c.process_sets.rank_in(process_set) == 0,
+                    zero_label="one op per gradient")
 
     def _slowest(self, seconds: float) -> float:
         """The largest of the ranks' `seconds` (the autotuner's score of a bucket size)."""
@@ -415,7 +418,7 @@ class _DistributedMixin:
         or choice, else bucket_bytes; 0: none, one op per gradient)."""
         assert self._layout_order is not None
         reference, sparse = self._layout_order
-        bucket_bytes = self._tuner.bucket_bytes if self._tuner is not None else self._bucket_bytes
+        bucket_bytes = self._tuner.size if self._tuner is not None else self._bucket_bytes
         names = self._parameter_names
         self._clear_layout()
         by_name = {names[p]: p for p in self._params}

@@ -200,3 +200,67 @@ def test_broadcast_variables_mismatch_is_a_clear_error_on_every_rank():
     with pytest.raises(hvd.MismatchError, match=r"(?s)rank 0: 1 variable.*rank 1: 0 variables"
                                                 r".*build the model on every rank"):
         hvd.broadcast_variables(variables, root_rank=0)
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_autotune_picks_the_fusion_threshold_by_measurement(monkeypatch, tmp_path, mode):
+    """NBDIST_AUTOTUNE with TensorFlow: the engine's fusion threshold (which fuses a step's
+    gradient allreduces) is chosen by measurement: each candidate trains a warm-up step and
+    two measured ones, in two rounds; every rank then keeps the same threshold, the
+    fastest, in every replica of the agreement, and rank 0 writes the scores to
+    NBDIST_AUTOTUNE_LOG. The training itself is unchanged."""
+    import dataclasses
+
+    from nbdist.tensorflow import gradients
+
+    config = nbdist.common.basics.config()
+    log = tmp_path / "autotune.csv"
+    monkeypatch.setattr(nbdist.common.basics, "config", lambda: dataclasses.replace(
+        config, autotune=True, autotune_steps=2, autotune_warmup=1, autotune_log=str(log)))
+    monkeypatch.setattr(gradients, "_tuned", None)  # (a tuner of an earlier test is done)
+    engine = nbdist.common.basics.engine()
+    x, y = data()
+    init = [np.linspace(-1, 1, 5, dtype=np.float32).reshape(5, 1), np.zeros(1, np.float32)]
+    # the first step starts the clock; then 2 rounds x 5 candidates x 3 steps, then more
+    steps = 1 + 2 * 5 * 3 + 2
+
+    def train(xs, ys, distributed):
+        w = [tf.Variable(v) for v in init]
+        opt = tf.keras.optimizers.SGD(0.01)
+
+        def step(a, b):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(a @ w[0] + w[1] - b))
+            if distributed:
+                tape = hvd.DistributedGradientTape(tape)
+            opt.apply_gradients(zip(tape.gradient(loss, w), w))
+        step = tf.function(step) if mode == "function" else step
+        for _ in range(steps):
+            step(tf.constant(xs), tf.constant(ys))
+        return [v.numpy() for v in w]
+
+    try:
+        mine = train(x[R::N], y[R::N], distributed=True)
+        MiB = 1024 * 1024
+        scores = gradients.fusion_autotune_scores()
+        assert sorted(scores) == sorted({0, MiB, 4 * MiB, 16 * MiB, config.fusion_threshold})
+        chosen = gradients._tuned[1].chosen
+        assert scores[chosen] == min(scores.values())
+        assert hvd.allgather_object((chosen, scores)) == [(chosen, scores)] * N
+        # A new name goes through the agreement's items, behind rank 0's change.
+        hvd.allreduce(tf.constant([1.0]), name=f"autotune.after.{mode}")
+        if engine.agreement is not None:  # every replica fuses with the same threshold
+            assert engine.agreement.coord.fusion_threshold == chosen
+        elif R == 0:  # the MPI coordinator decides alone
+            assert engine.coordinator.fusion_threshold == chosen
+        if R == 0:
+            rows = log.read_text().splitlines()
+            assert rows[0] == "fusion_threshold,round,median_step_ms,chosen"
+            assert sorted(int(r.split(",")[0]) for r in rows[1:]) == sorted(list(scores) * 2)
+            assert {r.split(",")[0] for r in rows[1:] if r.endswith(",1")} == {str(chosen)}
+    finally:
+        engine.set_fusion_threshold(config.fusion_threshold)  # as the other tests expect
+    reference = train(x, y, distributed=False)  # one process, the whole batch
+    for a, b in zip(mine, reference):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert all_equal(mine)
