@@ -36,18 +36,23 @@ def shm():
     t.close()
 
 
+def transport_with_env(key: str, value: str) -> ShmTransport:
+    """A transport made while the environment variable `key` is `value` (then put back)."""
+    saved = os.environ.get(key)
+    os.environ[key] = value
+    try:
+        return ShmTransport(COMM, RANK, timeout_s=60)
+    finally:
+        if saved is None:
+            del os.environ[key]
+        else:
+            os.environ[key] = saved
+
+
 @pytest.fixture(scope="module")
 def shm_single_copy():
     """Every allgather and broadcast single-copy (process_vm_readv), where that works here."""
-    saved = os.environ.get("NBDIST_SHM_CMA_BYTES")
-    os.environ["NBDIST_SHM_CMA_BYTES"] = "1"
-    try:
-        t = ShmTransport(COMM, RANK, timeout_s=60)
-    finally:
-        if saved is None:
-            del os.environ["NBDIST_SHM_CMA_BYTES"]
-        else:
-            os.environ["NBDIST_SHM_CMA_BYTES"] = saved
+    t = transport_with_env("NBDIST_SHM_CMA_BYTES", "1")
     yield t
     t.close()
 
@@ -56,15 +61,7 @@ def shm_single_copy():
 def shm_single_copy_allreduce():
     """Every allreduce that is not small single-copy: each rank reduces its slice from the
     peers' buffers (process_vm_readv), where that works here."""
-    saved = os.environ.get("NBDIST_SHM_CMA_ALLREDUCE_BYTES")
-    os.environ["NBDIST_SHM_CMA_ALLREDUCE_BYTES"] = "1"
-    try:
-        t = ShmTransport(COMM, RANK, timeout_s=60)
-    finally:
-        if saved is None:
-            del os.environ["NBDIST_SHM_CMA_ALLREDUCE_BYTES"]
-        else:
-            os.environ["NBDIST_SHM_CMA_ALLREDUCE_BYTES"] = saved
+    t = transport_with_env("NBDIST_SHM_CMA_ALLREDUCE_BYTES", "1")
     if not t.single_copy_bytes[2]:
         t.close()
         pytest.skip("process_vm_readv is not allowed here")

@@ -41,28 +41,30 @@ def test_keras_alias_is_the_same_module():
     assert hvdk.callbacks is hvdk_same.callbacks
 
 
+def train_linear(xs, ys, distributed: bool, mode: str, steps: int, lr: float) -> list:
+    """A linear model trained with a (DistributedGradientTape when `distributed`), eager
+    or in a tf.function; its weights."""
+    init = [np.linspace(-1, 1, 5, dtype=np.float32).reshape(5, 1), np.zeros(1, np.float32)]
+    w = [tf.Variable(v) for v in init]
+    opt = tf.keras.optimizers.SGD(lr)
+
+    def step(a, b):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(a @ w[0] + w[1] - b))
+        if distributed:
+            tape = hvd.DistributedGradientTape(tape)
+        opt.apply_gradients(zip(tape.gradient(loss, w), w))
+    step = tf.function(step) if mode == "function" else step
+    for _ in range(steps):
+        step(tf.constant(xs), tf.constant(ys))
+    return [v.numpy() for v in w]
+
+
 @pytest.mark.parametrize("mode", ["eager", "function"])
 def test_tape_training_matches_one_process_on_the_whole_batch(mode):
     x, y = data()
-    init = [np.linspace(-1, 1, 5, dtype=np.float32).reshape(5, 1), np.zeros(1, np.float32)]
-
-    def train(xs, ys, distributed):
-        w = [tf.Variable(v) for v in init]
-        opt = tf.keras.optimizers.SGD(0.1)
-
-        def step(a, b):
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_mean(tf.square(a @ w[0] + w[1] - b))
-            if distributed:
-                tape = hvd.DistributedGradientTape(tape)
-            opt.apply_gradients(zip(tape.gradient(loss, w), w))
-        step = tf.function(step) if mode == "function" else step
-        for _ in range(5):
-            step(tf.constant(xs), tf.constant(ys))
-        return [v.numpy() for v in w]
-
-    mine = train(x[R::N], y[R::N], distributed=True)
-    reference = train(x, y, distributed=False)  # one process, the whole batch
+    mine = train_linear(x[R::N], y[R::N], True, mode, 5, 0.1)
+    reference = train_linear(x, y, False, mode, 5, 0.1)  # one process, the whole batch
     for a, b in zip(mine, reference):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     assert all_equal(mine)
@@ -220,27 +222,10 @@ def test_autotune_picks_the_fusion_threshold_by_measurement(monkeypatch, tmp_pat
     monkeypatch.setattr(gradients, "_tuned", None)  # (a tuner of an earlier test is done)
     engine = nbdist.common.basics.engine()
     x, y = data()
-    init = [np.linspace(-1, 1, 5, dtype=np.float32).reshape(5, 1), np.zeros(1, np.float32)]
     # the first step starts the clock; then 2 rounds x 5 candidates x 3 steps, then more
     steps = 1 + 2 * 5 * 3 + 2
-
-    def train(xs, ys, distributed):
-        w = [tf.Variable(v) for v in init]
-        opt = tf.keras.optimizers.SGD(0.01)
-
-        def step(a, b):
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_mean(tf.square(a @ w[0] + w[1] - b))
-            if distributed:
-                tape = hvd.DistributedGradientTape(tape)
-            opt.apply_gradients(zip(tape.gradient(loss, w), w))
-        step = tf.function(step) if mode == "function" else step
-        for _ in range(steps):
-            step(tf.constant(xs), tf.constant(ys))
-        return [v.numpy() for v in w]
-
     try:
-        mine = train(x[R::N], y[R::N], distributed=True)
+        mine = train_linear(x[R::N], y[R::N], True, mode, steps, 0.01)
         MiB = 1024 * 1024
         scores = gradients.fusion_autotune_scores()
         assert sorted(scores) == sorted({0, MiB, 4 * MiB, 16 * MiB, config.fusion_threshold})
@@ -260,7 +245,7 @@ def test_autotune_picks_the_fusion_threshold_by_measurement(monkeypatch, tmp_pat
             assert {r.split(",")[0] for r in rows[1:] if r.endswith(",1")} == {str(chosen)}
     finally:
         engine.set_fusion_threshold(config.fusion_threshold)  # as the other tests expect
-    reference = train(x, y, distributed=False)  # one process, the whole batch
+    reference = train_linear(x, y, False, mode, steps, 0.01)  # one process, the whole batch
     for a, b in zip(mine, reference):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     assert all_equal(mine)
