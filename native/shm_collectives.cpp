@@ -141,17 +141,16 @@ void scale_pieces(const std::vector<ShmComm::Piece>& pieces, int dtype, double f
 
 void ShmComm::allreduce(const void* src, void* dst, size_t count, int dtype, int op, WaitContext& ctx,
                         double factor) {
-  const std::vector<Piece> one{Piece{src, dst, count}};
   const size_t bytes = count * dtype_size(dtype);
-  if (n_ > 1 && bytes <= small_bytes_ && bytes <= slot_bytes_) {
+  if (n_ > 1 && count && bytes <= small_bytes_ && bytes <= slot_bytes_) {  // (no vector here)
     kernel_or_throw(dtype, op, ctx.what);
     check_factor(dtype, factor);
     check_not_aborted(ctx);
     allreduce_small(static_cast<const char*>(src), static_cast<char*>(dst), bytes, count, dtype, op, ctx);
-    scale_pieces(one, dtype, factor);
+    if (factor != 1.0) scale_in_place(dst, count, dtype, factor);
     return;
   }
-  allreduce_pieces(one, dtype, op, ctx, factor);
+  allreduce_pieces({Piece{src, dst, count}}, dtype, op, ctx, factor);
 }
 
 void ShmComm::allreduce_pieces(const std::vector<Piece>& pieces, int dtype, int op, WaitContext& ctx,
