@@ -202,7 +202,9 @@ class ShmTransport(Transport):
                          factor: float = 1.0) -> None:
         """One allreduce over several arrays of one dtype (a fused unit): srcs[i] into dsts[i].
 
-        Small units are packed straight into the segment, with no fusion buffer of Python's.
+        Small units are packed straight into the segment, with no fusion buffer of Python's;
+        from NBDIST_SHM_CMA_ALLREDUCE_BYTES each rank reduces its slice of the unit straight
+        from the peers' pieces (single copy, ShmComm::allreduce_cma).
         """
         dtype = dsts[0].dtype
         for src, dst in zip(srcs, dsts):
