@@ -116,6 +116,12 @@ class _DistributedMixin:
                     config.autotune_steps, config.autotune_warmup, self._slowest,
                     config.autotune_log, _c.process_sets.rank_in(process_set) == 0,
                     zero_label="one op per gradient")
+            elif config.autotune:  # accepted, and nothing to tune: say so
+                why = ("explicit groups" if self._group_of else "Adasum" if op == Adasum
+                       else "bucket_bytes=0")
+                warnings.warn(f"NBDIST_AUTOTUNE: this DistributedOptimizer reduces without "
+                              f"buckets ({why}), so it has no bucket size to tune; it runs "
+                              "as configured", stacklevel=2)
 
     def _slowest(self, seconds: float) -> float:
         """The largest of the ranks' `seconds` (the autotuner's score of a bucket size)."""

@@ -596,6 +596,10 @@ def test_autotune_picks_the_bucket_size_by_measurement(monkeypatch, tmp_path):
     ref = make_model()
     train(ref, torch.optim.SGD(ref.parameters(), lr=0.1), steps, 1, False)
     assert_same_params(model, ref)
+    # No buckets (one op per gradient): nothing to tune, and the user is told so.
+    with pytest.warns(UserWarning, match=r"without buckets \(bucket_bytes=0\), so it has no bucket size to tune"):
+        hvd.DistributedOptimizer(torch.optim.SGD(ref.parameters(), lr=0.1),
+                                 named_parameters=ref.named_parameters(), bucket_bytes=0)
 
 
 @pytest.mark.parametrize("bucket_bytes", [0, 100, 200, None])
