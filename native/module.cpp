@@ -34,8 +34,6 @@ void* ptr(uintptr_t address) { return reinterpret_cast<void*>(address); }
 // written). Read while the GIL is held, before an op lets it go.
 void* data_of(const py::array& a) { return const_cast<void*>(a.data()); }
 
-// Scaling after a reduction is done here for float32 and float64 (Horovod multiplies those
-// in their own type); other dtypes come with factor 1 and are scaled by the Python side.
 // The words of an agreement vote (ShmComm::vote): one per rank, one per cache slot, and
 // the "packed" flag last.
 size_t vote_word_count(int n, int64_t nbits) { return static_cast<size_t>(n + nbits + 1); }

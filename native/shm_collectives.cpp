@@ -170,7 +170,7 @@ void ShmComm::allreduce_pieces(const std::vector<Piece>& pieces, int dtype, int 
   const size_t bytes = total * item;
   // Chosen by sizes alone (the same on every rank): single copy, each rank's (src, dst)
   // table in its slot.
-  if (cma_reduce_bytes_ && bytes >= cma_reduce_bytes_ && pieces.size() * 2 * sizeof(uintptr_t) <= slot_bytes_)
+  if (cma_reduces(bytes) && pieces.size() * 2 * sizeof(uintptr_t) <= slot_bytes_)
     return allreduce_cma(pieces, dtype, fn, factor, ctx);
   if (bytes > small_bytes_ || bytes > slot_bytes_) {
     reduce_chunked(pieces, dtype, op, -1, ctx);

@@ -87,7 +87,9 @@ class ShmComm {
     void* dst;
     size_t count;
   };
-  // A result scaled by a factor other than 1 must be float32 or float64 (else throws).
+  // A result scaled by a factor other than 1 must be float32 or float64 (else throws):
+  // scaling after a reduction is done natively for those (Horovod multiplies them in their
+  // own type); other dtypes come with factor 1 and are scaled by the Python side.
   static void check_factor(int dtype, double factor) {
     if (factor != 1.0 && dtype != kF32 && dtype != kF64)
       throw std::invalid_argument("allreduce: a factor other than 1 needs float32 or float64");
@@ -155,8 +157,10 @@ class ShmComm {
   // Whether this comm reduces `bytes` from src into dst by CMA (vote_allreduce): big
   // enough, and dst either src itself or apart from it (a partial overlap goes by the slots).
   bool wants_cma_allreduce(const void* src, const void* dst, size_t bytes) const {
-    return n_ > 1 && cma_reduce_bytes_ && bytes >= cma_reduce_bytes_ && !partly_overlap(src, dst, bytes);
+    return cma_reduces(bytes) && !partly_overlap(src, dst, bytes);
   }
+  // The size rule alone (every rank decides alike): an allreduce of `bytes` goes single-copy.
+  bool cma_reduces(size_t bytes) const { return n_ > 1 && cma_reduce_bytes_ && bytes >= cma_reduce_bytes_; }
   // Two buffers of `bytes` that share some bytes without being one buffer.
   static bool partly_overlap(const void* a, const void* b, size_t bytes) {
     const char* const x = static_cast<const char*>(a);

@@ -24,12 +24,29 @@ step. The caller changes the size only between steps (with nothing in flight).
 """
 from __future__ import annotations
 
+import functools
 import statistics
 import sys
 import time
 from typing import Callable
 
+import numpy as np
+
+from .ops import allreduce
+from .ops_base import Max
+
 MiB = 1024 * 1024
+
+
+def slowest_rank(seconds: float, name: str, process_set=None) -> float:
+    """The largest of the ranks' `seconds` (a tuner's score of its candidate): an allreduce
+    Max named `name` over `process_set`'s ranks."""
+    return float(allreduce(np.array([seconds]), op=Max, name=name, process_set=process_set)[0])
+
+
+def agree_by(name: str, process_set=None) -> Callable[[float], float]:
+    """SizeTuner's `agree`: slowest_rank under the name `name`."""
+    return functools.partial(slowest_rank, name=name, process_set=process_set)
 
 
 class SizeTuner:

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import threading
 
-import numpy as np
 import tensorflow as tf
 
 from nbdist import common as _c
 from nbdist.common import process_sets as _ps
-from nbdist.common.autotune import MiB, SizeTuner
+from nbdist.common.autotune import MiB, SizeTuner, agree_by
 
 from . import _bridge, _naming
 from .compression import Compression
@@ -157,19 +156,14 @@ def _step_done() -> None:
             config = _c.basics.config()
             tuner = SizeTuner("engine fusion_threshold", config.fusion_threshold,
                               TUNED_FUSION_BYTES, config.autotune_steps, config.autotune_warmup,
-                              _slowest, config.autotune_log, _c.rank() == 0,
+                              agree_by("nbdist.autotune.fusion_threshold"),
+                              config.autotune_log, _c.rank() == 0,
                               zero_label="no fusion")
             _tuned = (engine, tuner)
             engine.set_fusion_threshold(tuner.size)  # the schedule's first: the biggest
         tuner = _tuned[1]
         if tuner.step_done():
             engine.set_fusion_threshold(tuner.size)
-
-
-def _slowest(seconds: float) -> float:
-    """The largest of the ranks' `seconds` (the autotuner's score of a fusion threshold)."""
-    times = _c.allreduce(np.array([seconds]), op=_c.Max, name="nbdist.autotune.fusion_threshold")
-    return float(times[0])
 
 
 def fusion_autotune_scores() -> dict:

@@ -19,12 +19,11 @@ import warnings
 import weakref
 from contextlib import contextmanager
 
-import numpy as np
 import torch
 
 from nbdist import common as _c
 from nbdist.common import world as _world
-from nbdist.common.autotune import MiB, SizeTuner
+from nbdist.common.autotune import MiB, SizeTuner, agree_by
 
 from .compression import Compression
 from .mpi_ops import (Adasum, Average, _SparseHandle, allreduce_async_,
@@ -113,21 +112,15 @@ class _DistributedMixin:
             if self._bucketing and config.autotune:
                 self._tuner = SizeTuner(
                     "DistributedOptimizer bucket_bytes", self._bucket_bytes, TUNED_BUCKET_BYTES,
-                    config.autotune_steps, config.autotune_warmup, self._slowest,
-                    config.autotune_log, _c.process_sets.rank_in(process_set) == 0,
-                    zero_label="one op per gradient")
+                    config.autotune_steps, config.autotune_warmup,
+                    agree_by("DistributedOptimizer.autotune", process_set), config.autotune_log,
+                    _c.process_sets.rank_in(process_set) == 0, zero_label="one op per gradient")
             elif config.autotune:  # accepted, and nothing to tune: say so
                 why = ("explicit groups" if self._group_of else "Adasum" if op == Adasum
                        else "bucket_bytes=0")
                 warnings.warn(f"NBDIST_AUTOTUNE: this DistributedOptimizer reduces without "
                               f"buckets ({why}), so it has no bucket size to tune; it runs "
                               "as configured", stacklevel=2)
-
-    def _slowest(self, seconds: float) -> float:
-        """The largest of the ranks' `seconds` (the autotuner's score of a bucket size)."""
-        times = _c.allreduce(np.array([seconds]), op=_c.Max, name="DistributedOptimizer.autotune",
-                             process_set=self._process_set)
-        return float(times[0])
 
     @property
     def autotune_scores(self) -> dict:
