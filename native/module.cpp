@@ -103,11 +103,10 @@ py::object agree_allreduce(PyShm& s, int64_t bit, int64_t nbits, PyShm& data, co
   void* const to = data_of(dst);
   const size_t nbytes = count * nbdist::dtype_size(dtype);
   // Small enough to travel with the vote: then one synchronisation does both. Big enough
-  // for single copy (and not a buffer that overlaps its result): the vote carries the
-  // addresses, and the bytes move in the same call.
+  // for single copy: the vote carries the addresses, and the bytes move in the same call.
   const bool packs = nbytes <= s.comm().vote_room(vote_word_count(s.comm().size(), nbits));
   ShmComm& bytes = data.comm();
-  const bool single = !packs && s.comm().vote_carries() && bytes.wants_cma_allreduce(from, to, nbytes);
+  const bool single = !packs && s.comm().vote_carries() && bytes.cma_reduces(nbytes);
   return agree_then(s, bit, nbits, single ? "allreduce" : "agreement",
       [&](ShmComm& c, std::vector<int32_t>& vec, const MayRun& may_run, WaitContext& ctx) {
         if (single)  // (scaled slice by slice, as it is reduced)

@@ -199,18 +199,23 @@ void ShmComm::allreduce_pieces(const std::vector<Piece>& pieces, int dtype, int 
   scale_pieces(pieces, dtype, factor);
 }
 
+std::vector<ShmComm::Piece> ShmComm::readable_pieces(const std::vector<Piece>& given, size_t item,
+                                                     std::vector<std::vector<char>>& copies) {
+  std::vector<Piece> pieces = given;
+  for (Piece& p : pieces) {
+    const char* const from = static_cast<const char*>(p.src);
+    const char* const to = static_cast<const char*>(p.dst);
+    const size_t bytes = p.count * item;
+    if (from != to && from < to + bytes && to < from + bytes)
+      p.src = copies.emplace_back(from, from + bytes).data();
+  }
+  return pieces;
+}
+
 void ShmComm::allreduce_cma(const std::vector<Piece>& given, int dtype, ReduceFn fn, double factor,
                             WaitContext& ctx) {
-  const size_t item = dtype_size(dtype);
-  // A piece whose src partly overlaps its dst (no API path passes one) is read from a copy,
-  // so that the choice of this path stays a matter of sizes.
-  std::vector<Piece> pieces = given;
   std::vector<std::vector<char>> copies;
-  for (Piece& p : pieces) {
-    const char* from = static_cast<const char*>(p.src);
-    if (partly_overlap(p.src, p.dst, p.count * item))
-      p.src = copies.emplace_back(from, from + p.count * item).data();
-  }
+  const std::vector<Piece> pieces = readable_pieces(given, dtype_size(dtype), copies);
   int s = acquire_set(true, ctx);
   char* const table = seg_.slot(s, rank_);
   for (size_t i = 0; i < pieces.size(); ++i) {
@@ -379,11 +384,9 @@ bool ShmComm::vote_allreduce(int32_t* vec, size_t words, const void* src_, void*
                              const ShmComm& data, WaitContext& ctx) {
   ReduceFn fn = kernel_or_throw(dtype, op, ctx.what);
   check_factor(dtype, factor);
-  const size_t item = dtype_size(dtype);
-  if (partly_overlap(src_, dst_, count * item))
-    throw std::invalid_argument("shm allreduce: src and dst overlap without being one buffer");
-  const uintptr_t addresses[2] = {reinterpret_cast<uintptr_t>(src_), reinterpret_cast<uintptr_t>(dst_)};
-  const std::vector<Piece> one{Piece{src_, dst_, count}};
+  std::vector<std::vector<char>> copies;
+  const std::vector<Piece> one = readable_pieces({Piece{src_, dst_, count}}, dtype_size(dtype), copies);
+  const uintptr_t addresses[2] = {reinterpret_cast<uintptr_t>(one[0].src), reinterpret_cast<uintptr_t>(dst_)};
   poll_as(ctx, data.spin_iters_, data.yield_iters_);
   return vote_with(vec, words, addresses, sizeof addresses, may_run,
                    [&](const std::vector<const void*>& packed) {

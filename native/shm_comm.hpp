@@ -154,19 +154,14 @@ class ShmComm {
                       int dtype, int op, double factor,
                       const std::function<bool(const int32_t*)>& may_run, const ShmComm& data,
                       WaitContext& ctx);
-  // Whether this comm reduces `bytes` from src into dst by CMA (vote_allreduce): big
-  // enough, and dst either src itself or apart from it (a partial overlap goes by the slots).
-  bool wants_cma_allreduce(const void* src, const void* dst, size_t bytes) const {
-    return cma_reduces(bytes) && !partly_overlap(src, dst, bytes);
-  }
-  // The size rule alone (every rank decides alike): an allreduce of `bytes` goes single-copy.
+  // Whether an allreduce of `bytes` goes single-copy (vote_allreduce, allreduce_cma): by
+  // size alone, so every rank decides alike.
   bool cma_reduces(size_t bytes) const { return n_ > 1 && cma_reduce_bytes_ && bytes >= cma_reduce_bytes_; }
-  // Two buffers of `bytes` that share some bytes without being one buffer.
-  static bool partly_overlap(const void* a, const void* b, size_t bytes) {
-    const char* const x = static_cast<const char*>(a);
-    const char* const y = static_cast<const char*>(b);
-    return x != y && x < y + bytes && y < x + bytes;
-  }
+  // The pieces as the single-copy reduction reads them: a piece whose src partly overlaps
+  // its dst (no API path passes one; in place is fine) is read from a copy kept in
+  // `copies`, so that whether an allreduce goes single-copy stays a matter of sizes.
+  static std::vector<Piece> readable_pieces(const std::vector<Piece>& given, size_t item,
+                                            std::vector<std::vector<char>>& copies);
   // Whether this comm moves an allgatherv of these counts, or a broadcast of `bytes`, by CMA.
   bool wants_cma_allgatherv(const std::vector<int64_t>& byte_counts) const;
   bool wants_cma_broadcast(size_t bytes) const { return n_ > 1 && cma_bytes_ && bytes >= cma_bytes_; }

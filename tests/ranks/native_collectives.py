@@ -239,6 +239,22 @@ def test_single_copy_allreduce_of_a_partly_overlapping_result(shm_single_copy_al
     same(buf[1:], reference(n, np.float64, ReduceOp.Sum))
 
 
+def test_vote_carried_allreduce_of_a_partly_overlapping_result(shm_single_copy_allreduce):
+    # The same through an agreement vote that carries the op (ShmComm::vote_allreduce): one
+    # cached op, ready on every rank, runs in the vote's native call (None), its input read
+    # from a copy as allreduce_cma reads it.
+    control = ShmTransport(COMM, RANK, timeout_s=60, slot_bytes=64 * 1024, nsets=2, single_copy=False)
+    try:
+        n = 100_000
+        buf = np.zeros(n + 1, np.float64)
+        buf[:n] = contribution(RANK, n, np.float64, ReduceOp.Sum)
+        assert control.agree_allreduce(0, 1, shm_single_copy_allreduce, buf[:n], buf[1:],
+                                       ReduceOp.Sum, 0.5) is None
+        same(buf[1:], reference(n, np.float64, ReduceOp.Sum) * 0.5)
+    finally:
+        control.close()
+
+
 def test_allreduce_2d_and_bool_rejected(shm):
     buf = np.full((3, 5), RANK + 1, np.int32)
     shm.allreduce(buf, ReduceOp.Sum)
