@@ -178,7 +178,8 @@ class ShmComm {
   // peers' cycles), wait_activity stops watching the peers: it does not count as a
   // sleeper on the shared wake word, so the peers' every step does not wake it (a
   // futex wake and a context switch each, on cores the ranks need), and it looks
-  // again at least every HELD_RECHECK_NS. ring() and an abort still end its wait.
+  // again after 1 ms, backing off to 16 ms while the watch stays held
+  // (HELD_RECHECK_NS, shm_wait.cpp). ring() and an abort still end its wait.
   void hold_activity(bool on) { held_.store(on ? 1 : 0, std::memory_order_seq_cst); }
   // The agreement's "I have ops queued" word (the scratch word; its segment runs no
   // collective that uses scratch): publish this rank's, and ask whether every peer's

@@ -333,7 +333,7 @@ class Engine:
             # synchronous ops this thread joins it with its next op in microseconds, and a
             # woken engine thread would join it first, without that op (the peer's then
             # waits as a queued one). If no next op comes, the engine thread, whose watch
-            # was held, looks again within 1 ms (HELD_RECHECK_NS) and joins it then.
+            # was held, looks again within 1-16 ms (HELD_RECHECK_NS, backing off) and joins it then.
             if (result.__class__ is Handle and not result.done()) or self._local or self._queue:
                 agreement.ring()
             if gated:
