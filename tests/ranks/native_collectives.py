@@ -239,6 +239,17 @@ def test_single_copy_allreduce_of_a_partly_overlapping_result(shm_single_copy_al
     same(buf[1:], reference(n, np.float64, ReduceOp.Sum))
 
 
+def test_single_copy_allgatherv_of_big_parts_at_odd_addresses(shm_single_copy):
+    # Parts above the streaming size (4 MiB), a receive buffer one byte off alignment:
+    # the own part's streaming copy has a head and a tail to do plainly.
+    counts = [(4 << 20) + 5 + 3 * r for r in range(SIZE)]
+    parts = [np.random.default_rng(r).integers(0, 256, c, dtype=np.uint8) for r, c in enumerate(counts)]
+    space = np.zeros(sum(counts) + 1, np.uint8)
+    recv = space[1:]
+    shm_single_copy.allgatherv(parts[RANK], recv, counts)
+    same(recv, np.concatenate(parts))
+
+
 def test_vote_carried_allreduce_of_a_partly_overlapping_result(shm_single_copy_allreduce):
     # The same through an agreement vote that carries the op (ShmComm::vote_allreduce): one
     # cached op, ready on every rank, runs in the vote's native call (None), its input read
