@@ -169,6 +169,29 @@ def test_pooled_results_never_alias_a_live_array():
     assert buffers.pool_stats()["free_bytes"] == 0
 
 
+def test_a_result_that_dies_in_a_collection_under_the_pool_lock_is_returned():
+    """A result in a reference cycle is freed by the garbage collector, which may run on an
+    allocation the pool makes under its own lock: its block still goes back, no deadlock."""
+    import gc
+
+    import numpy as np
+
+    from nbdist.common import buffers
+
+    buffers.clear_pool()
+
+    class Holder:
+        pass
+
+    holder = Holder()
+    holder.me, holder.result = holder, buffers.empty(buffers.POOL_MIN_BYTES, np.uint8)
+    del holder
+    with buffers._lock:
+        gc.collect()
+    assert buffers.pool_stats()["free_bytes"] == buffers.POOL_MIN_BYTES
+    buffers.clear_pool()
+
+
 def test_a_full_pool_keeps_the_blocks_returned_last(monkeypatch):
     """When a program's sizes change, its new sizes get pooled: a full pool lets the
     blocks that waited longest go."""

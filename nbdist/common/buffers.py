@@ -24,7 +24,9 @@ MiB = 1 << 20
 POOL_MIN_BYTES = 1 * MiB  # below this, glibc's malloc reuses freed memory by itself
 POOL_MAX_FREE_BYTES = 256 * MiB  # free blocks kept (a 4-rank 64 MiB allgather); more go back
 
-_lock = threading.Lock()
+# Reentrant: a lease dies (and gives its block back) wherever its last reference goes,
+# which may be a garbage collection run by an allocation made under this very lock.
+_lock = threading.RLock()
 # nbytes -> free blocks of exactly that size, oldest returned first
 _free: dict[int, list[np.ndarray]] = {}
 # every free block by id, oldest returned first: when the pool is full, the blocks that
