@@ -27,6 +27,27 @@ def test_module_reports_what_it_was_built_with():
     assert native.nccl_built() == (reason == "" or reason.startswith("NCCL loaded"))
 
 
+@pytest.mark.parametrize("scope", ["0", "1", "2", None])
+def test_ranks_let_their_peers_read_them_under_yama_scope_1(tmp_path, scope):
+    """Ubuntu's default Yama ptrace_scope 1 forbids reading a sibling's memory: each rank
+    names any process as its ptracer there (a real prctl, in a child process; a kernel
+    without Yama refuses it, and the answer says so), and touches nothing otherwise."""
+    path = tmp_path / "ptrace_scope"
+    if scope is not None:
+        path.write_text(scope + "\n")
+    code = ("import sys; from nbdist.common.transports.shm import allow_peer_reads; "
+            "print(allow_peer_reads(sys.argv[1]))")
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True,
+                         timeout=60, check=True).stdout.strip()
+    if scope is None:
+        assert out == "no Yama"
+    elif scope == "1":
+        assert out in ("ptrace_scope 1: peers allowed",
+                       "ptrace_scope 1: prctl(PR_SET_PTRACER) failed: Invalid argument"), out
+    else:
+        assert out == f"ptrace_scope {scope}"
+
+
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.int8, np.uint64])
 def test_local_reduce_kernel_matches_numpy(dtype):
     from nbdist.common.transports._dtypes import dtype_code

@@ -97,6 +97,11 @@ def main() -> int:
     return 0
 
 
+def _bytes(n: int) -> str:
+    return "never" if n == 0 else f"{n >> 20} MiB" if n >= 1 << 20 and not n % (1 << 20) else (
+        f"{n >> 10} KiB" if n >= 1024 and not n % 1024 else f"{n} B")
+
+
 def transport_report(MPI) -> list[str]:
     """Which transport each op would use with this many ranks (collective over COMM_WORLD)."""
     from nbdist.common.config import Config
@@ -123,6 +128,12 @@ def transport_report(MPI) -> list[str]:
              f"CPU transport    mode {choice['cpu_mode']}"]
     for kind in KINDS:
         lines.append(f"  {kind:<14} {choice['cpu'][kind]}")
+    sizes, peer_reads = choice["single_copy"]
+    if sizes is not None:
+        lines.append("  single copy    " + (
+            "on (CMA) from {} broadcast, {} allgather, {} allreduce".format(*map(_bytes, sizes))
+            if any(sizes) else "off: the shm transport copies through its slots")
+            + f"; Yama: {peer_reads}")
     lines.append(f"GPU transport    {choice['gpu']}")
     if any(c != choice for c in choices):
         lines.append("WARNING          ranks disagree on transports: " + repr(choices))

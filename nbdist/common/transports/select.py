@@ -124,8 +124,11 @@ class TransportSet:
     def describe(self) -> dict:
         """Which transport each kind of op would use, for `nbdist doctor`."""
         cpu = {kind: self.for_op("cpu", kind).name for kind in KINDS}
+        shm = self.shm
         return {"cpu_mode": self.cpu_mode, "cpu": cpu,
-                "gpu": self.nccl.name if self.nccl else f"unavailable ({self.nccl_reason})"}
+                "gpu": self.nccl.name if self.nccl else f"unavailable ({self.nccl_reason})",
+                "single_copy": (getattr(shm, "single_copy_bytes", None),
+                                getattr(shm, "peer_reads", None))}
 
     def close(self) -> None:
         for transport in (self.nccl, self.hierarchical, self.shm, self.mpi):

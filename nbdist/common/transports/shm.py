@@ -32,6 +32,39 @@ def _env_int(name: str, default: int) -> int:
     return env_int(name.removeprefix("NBDIST_"), default)
 
 
+YAMA_PTRACE_SCOPE = "/proc/sys/kernel/yama/ptrace_scope"
+_PR_SET_PTRACER = 0x59616D61  # prctl option "Yama"
+_PR_SET_PTRACER_ANY = 2**64 - 1  # (unsigned long)-1
+
+
+def allow_peer_reads(scope_file: str = YAMA_PTRACE_SCOPE) -> str:
+    """Let this node's other ranks read this process's memory (process_vm_readv) where
+    Yama's ptrace_scope is 1, and say what was done.
+
+    Scope 1 (Ubuntu's default) lets a process read only its own descendants, so ranks,
+    which are siblings, could not read each other and every single-copy transfer would
+    stay off. Each rank therefore names any process as its ptracer (PR_SET_PTRACER_ANY,
+    as Open MPI's CMA support does): for this rank, the same as scope 0, where any
+    process of the same user may attach. Scopes 2 and 3 cannot be relaxed so; no Yama,
+    nothing to do. NBDIST_SHM_CMA_BYTES=0 turns single copy off, and this with it.
+    """
+    try:
+        with open(scope_file) as f:
+            scope = f.read().strip()
+    except OSError:
+        return "no Yama"
+    if scope != "1":
+        return f"ptrace_scope {scope}"
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    prctl = libc.prctl
+    prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
+    if prctl(_PR_SET_PTRACER, _PR_SET_PTRACER_ANY, 0, 0, 0) != 0:
+        return f"ptrace_scope 1: prctl(PR_SET_PTRACER) failed: {os.strerror(ctypes.get_errno())}"
+    return "ptrace_scope 1: peers allowed"
+
+
 def _cpus() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -111,6 +144,7 @@ class ShmTransport(Transport):
         # (broadcast, allgather, allreduce) bytes from which this transport moves them
         # single-copy
         self.single_copy_bytes = (0, 0, 0)
+        self.peer_reads = "not tried"  # allow_peer_reads's answer, once single copy is tried
         if single_copy and (cma_bytes or cma_gather or cma_reduce) and self._cma_works():
             self.single_copy_bytes = (cma_bytes, cma_gather, cma_reduce)
             self._native.set_cma_bytes(cma_bytes, cma_gather)
@@ -119,10 +153,13 @@ class ShmTransport(Transport):
     def _cma_works(self) -> bool:
         """Whether every rank can read its neighbour's memory (process_vm_readv); collective.
 
-        Containers or a hardened kernel (Yama ptrace_scope >= 2) may forbid it; then
-        allgather and broadcast keep going through the slots (two copies).
+        Each rank first lets its peers read it where Yama's ptrace_scope is 1
+        (allow_peer_reads). Containers or a hardened kernel (ptrace_scope >= 2) may still
+        forbid it; then every transfer keeps going through the slots (two copies).
         """
         import ctypes
+
+        self.peer_reads = allow_peer_reads()  # before the probe's allgather: all have run it
 
         class IoVec(ctypes.Structure):
             _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
