@@ -98,8 +98,13 @@ def main() -> int:
 
 
 def _bytes(n: int) -> str:
-    return "never" if n == 0 else f"{n >> 20} MiB" if n >= 1 << 20 and not n % (1 << 20) else (
-        f"{n >> 10} KiB" if n >= 1024 and not n % 1024 else f"{n} B")
+    """A single-copy threshold as people read it (0: never single copy)."""
+    if n == 0:
+        return "never"
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:g} {unit}"
+    return f"{n} B"
 
 
 def transport_report(MPI) -> list[str]:
