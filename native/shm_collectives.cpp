@@ -418,15 +418,51 @@ void ShmComm::reduce_cma(const std::vector<Piece>& pieces, int dtype, ReduceFn f
   // the reduction (128 KiB and 512 KiB were no faster, docs/native.md).
   const size_t line = 64 / item;
   const size_t step = std::max<size_t>(line, (256 * 1024 / item) / line * line);
+  // Each rank posts a phase per reduced step of its slice, base + 1, base + 2, ..., and
+  // base + steps once its slice is done: every rank counts the same `steps` (those of the
+  // largest slice), so all leave at the same phase.
+  const size_t steps = (slices.size + step - 1) / step;
+  const uint64_t base = gen_;
+  gen_ += steps;
   std::vector<const void*> srcs(n_);
   std::vector<const char*> theirs(n_);  // each peer's part of the current step, in the scratch
   std::vector<struct iovec> local, remote;
-  // 1. My slice: every rank's src (mine in place, the peers' read here), reduced in rank
-  // order into my dst: the same bits whoever reduces; scaled while it is in cache.
+  // Steps of peer q's reduced slice, read from its dst into mine: those it has posted
+  // (all of them when `wait`). Step j of q is rank q's to read only once q has reduced it,
+  // and so read every rank's src there: an in-place op's src is its dst, which this
+  // overwrites.
+  std::vector<size_t> copied(n_, 0);
+  auto read_reduced = [&](int q, bool wait) {
+    const auto [qlo, qhi] = slices.of(q);
+    const size_t qsteps = (qhi - qlo + step - 1) / step;
+    while (copied[q] < qsteps) {
+      const uint64_t phase = base + copied[q] + 1;
+      if (wait) {
+        wait_rank(q, phase, ctx);
+      } else if (!posted(q, phase)) {
+        return;
+      }
+      size_t from_step = copied[q];  // and every later step it has posted since
+      while (copied[q] < qsteps && posted(q, base + copied[q] + 1)) ++copied[q];
+      local.clear();
+      remote.clear();
+      unit.spans(qlo + from_step * step, std::min(qhi, qlo + copied[q] * step),
+                 [&](size_t i, size_t from, size_t, size_t len) {
+                   local.push_back({static_cast<char*>(pieces[i].dst) + from * item, len * item});
+                   remote.push_back({reinterpret_cast<void*>(address(q, 2 * i + 1) + from * item), len * item});
+                 });
+      read_peer_runs(q, local, remote, ctx);
+    }
+  };
+  // My slice, a step at a time: every rank's src (mine in place, the peers' read here),
+  // reduced in rank order into my dst (the same bits whoever reduces), scaled while it is
+  // in cache. Between steps, the peers' reduced steps that are ready, while they are
+  // still in cache on their side.
   const auto [lo, hi] = slices.of(rank_);
   if (hi > lo) {
     const size_t piece = std::min(step, hi - lo);
     if (cma_scratch_.size() < (n_ - 1) * piece * item) cma_scratch_.resize((n_ - 1) * piece * item);
+    uint64_t done = base;
     for (size_t off = lo; off < hi; off += piece) {
       const size_t end = std::min(hi, off + piece);
       char* at = cma_scratch_.data();
@@ -450,24 +486,12 @@ void ShmComm::reduce_cma(const std::vector<Piece>& pieces, int dtype, ReduceFn f
         fn(out, srcs.data(), n_, len);
         if (factor != 1.0) scale_in_place(out, len, dtype, factor);
       });
+      post(++done);
+      for (int k = 1; k < n_; ++k) read_reduced((rank_ + k) % n_, false);
     }
   }
-  // 2. Once every slice is reduced (and so every src read: an in-place op's src is about
-  // to be overwritten), the other slices from their owners' dst.
-  const uint64_t reduced = next_phase();
-  post(reduced);
-  wait_all(reduced, ctx);
-  for (int k = 1; k < n_; ++k) {
-    const int q = (rank_ + k) % n_;
-    const auto [qlo, qhi] = slices.of(q);
-    local.clear();
-    remote.clear();
-    unit.spans(qlo, qhi, [&](size_t i, size_t from, size_t, size_t len) {
-      local.push_back({static_cast<char*>(pieces[i].dst) + from * item, len * item});
-      remote.push_back({reinterpret_cast<void*>(address(q, 2 * i + 1) + from * item), len * item});
-    });
-    read_peer_runs(q, local, remote, ctx);
-  }
+  post(gen_);
+  for (int k = 1; k < n_; ++k) read_reduced((rank_ + k) % n_, true);
 }
 
 bool ShmComm::wants_cma_allgatherv(const std::vector<int64_t>& byte_counts) const {

@@ -225,6 +225,10 @@ class ShmComm {
   void wait_all(uint64_t phase, WaitContext& ctx);
   void wait_rank(int who, uint64_t phase, WaitContext& ctx);
   void wait_for(int who, uint64_t phase, WaitContext& ctx);  // who < 0: all ranks
+  // Whether local rank `who` has posted `phase` (no wait).
+  bool posted(int who, uint64_t phase) const {
+    return hdr_->ranks[who].seq.load(std::memory_order_acquire) >= phase;
+  }
   [[noreturn]] void fail_aborted(const WaitContext& ctx);
   void check_slow(int who, uint64_t phase, WaitContext& ctx, bool& stop);
   // "rank G (pid P) died during shm <op>" when local rank r's process is gone (or is known
@@ -264,7 +268,8 @@ class ShmComm {
   // The single-copy reduction once every rank's addresses are out (address(q, 2i) is rank
   // q's src of piece i, address(q, 2i + 1) its dst): each rank reduces its slice of the
   // unit from every rank's src (the peers' parts read by CMA a step at a time into
-  // cma_scratch_), all sync once, and each reads the other slices from their owners' dst.
+  // cma_scratch_), posting each step it has reduced, and reads the other slices from their
+  // owners' dst a step at a time as they are posted.
   // The caller syncs once more before any rank's buffers may change.
   void reduce_cma(const std::vector<Piece>& pieces, int dtype, ReduceFn fn, double factor,
                   const std::function<uintptr_t(int, size_t)>& address, WaitContext& ctx);

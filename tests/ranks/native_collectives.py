@@ -211,6 +211,20 @@ def test_single_copy_allreduce_scales_each_slice(shm_single_copy_allreduce, dtyp
     same(src, want)
 
 
+def test_single_copy_allreduce_in_place_while_ranks_run_steps_apart(shm_single_copy_allreduce):
+    # Each rank reads a peer's reduced 256 KiB steps as the peer posts them, into its own
+    # buffer, which (in place) is its src that the peer's later steps still read. Here the
+    # last rank's slice has one step fewer than the others', and the ranks arrive at
+    # staggered times, a different one last in each round.
+    step = 256 * 1024 // 4
+    count = SIZE * 2 * step + (SIZE - 1) * 16
+    for round_ in range(3):
+        time.sleep(0.02 * ((RANK + round_) % SIZE))
+        buf = contribution(RANK, count, np.float32, ReduceOp.Sum) + round_
+        shm_single_copy_allreduce.allreduce(buf, ReduceOp.Sum)
+        same(buf, reference(count, np.float32, ReduceOp.Sum) + np.float32(SIZE * round_))
+
+
 def test_single_copy_allreduce_of_many_pieces(shm_single_copy_allreduce):
     # A fused unit of 2500 pieces, most of 3 elements (more runs per step than one
     # process_vm_readv takes), some empty, some in place, one bigger than a step.
