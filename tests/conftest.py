@@ -39,9 +39,10 @@ def rank_env(**extra: str) -> dict:
 
 
 def run_ranks(n: int, args: list[str], timeout: float = 240, env: dict | None = None,
-              check: bool = True) -> subprocess.CompletedProcess:
-    """Run `python args...` on n ranks under mpiexec, killing the whole group on timeout."""
-    cmd = [MPIEXEC, "-n", str(n), sys.executable, *args]
+              check: bool = True, wrapper: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """Run `python args...` on n ranks under mpiexec, killing the whole group on timeout;
+    `wrapper` goes before python on each rank's command line (e.g. setpriv and its options)."""
+    cmd = [MPIEXEC, "-n", str(n), *wrapper, sys.executable, *args]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env or rank_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:

@@ -3,7 +3,10 @@ path with pretend nodes, and the foundation's collectives with each CPU transpor
 
 Multi-rank work runs in tests/ranks/ under mpiexec -n 2 and -n 4.
 """
+import errno
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import MPIEXEC, ROOT, rank_env, run_rank_tests
+from conftest import MPIEXEC, ROOT, rank_env, run_rank_tests, run_ranks
 
 RANKS = [2, 4]
 native = pytest.importorskip("nbdist._native", reason="the native module is not built")
@@ -102,6 +105,34 @@ def test_hierarchical_with_pretend_nodes(n, local_size):
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.parametrize("readable", [False, True], ids=["ranks-not-readable", "ranks-readable"])
+def test_a_node_without_single_copy_says_why_once_and_still_computes(readable):
+    """Where the ranks may not read each other's memory (non-dumpable processes without
+    CAP_SYS_PTRACE: a real refusal by the kernel), every collective still gives the right
+    result through the slots, and the node's first rank warns once, naming the rank and
+    the reason. Where they may, nothing is said."""
+    wrapper: tuple[str, ...] = ()
+    if os.geteuid() == 0:  # root reads anyone through CAP_SYS_PTRACE: drop it
+        if shutil.which("setpriv") is None:
+            pytest.skip("setpriv (util-linux) is needed to drop CAP_SYS_PTRACE as root")
+        wrapper = ("setpriv", "--inh-caps=-sys_ptrace", "--bounding-set=-sys_ptrace", "--")
+    env = rank_env(NBDIST_TEST_NOT_DUMPABLE="0" if readable else "1")
+    out = run_ranks(2, [str(ROOT / "tests" / "ranks" / "native_single_copy_off.py")], timeout=120,
+                    env=env, wrapper=wrapper).stdout
+    assert "rank 0 ok" in out and "rank 1 ok" in out, out[-4000:]
+    said = re.findall(r"single copy is off on this node: rank (\d) cannot read rank (\d)'s memory "
+                      r"\(process_vm_readv: ([^;]+); Yama: ([^)]+)\)", out)
+    if readable:
+        assert said == [], out[-4000:]
+    else:
+        assert len(said) == 1, out[-4000:]
+        rank, peer, error, _ = said[0]
+        assert {rank, peer} == {"0", "1"} and error == os.strerror(errno.EPERM), said
+        doctor = run_ranks(2, [str(ROOT / "tests" / "ranks" / "native_single_copy_off.py"), "doctor"],
+                           timeout=120, env=env, wrapper=wrapper).stdout
+        assert re.search(r"single copy +off \(rank \d cannot read rank \d's memory", doctor), doctor[-4000:]
+
+
 @pytest.mark.parametrize("path", ["transport", "api", "api-allgather", "api-broadcast", "api-async",
                                   "api-allreduce-midop", "api-allgather-midop",
                                   "api-broadcast-midop", "api-fused-midop"])

@@ -133,12 +133,14 @@ def transport_report(MPI) -> list[str]:
              f"CPU transport    mode {choice['cpu_mode']}"]
     for kind in KINDS:
         lines.append(f"  {kind:<14} {choice['cpu'][kind]}")
-    sizes, peer_reads = choice["single_copy"]
+    sizes, peer_reads, off = choice["single_copy"]
     if sizes is not None:
-        lines.append("  single copy    " + (
-            "on (CMA) from {} broadcast, {} allgather, {} allreduce".format(*map(_bytes, sizes))
-            if any(sizes) else "off: the shm transport copies through its slots")
-            + f"; Yama: {peer_reads}")
+        if any(sizes):
+            state = ("on (CMA) from {} broadcast, {} allgather, {} allreduce".format(*map(_bytes, sizes))
+                     + f"; Yama: {peer_reads}")
+        else:  # the probe's reason names Yama's answer too
+            state = f"off ({off or 'NBDIST_SHM_CMA_*_BYTES=0'}): the shm transport copies through its slots"
+        lines.append("  single copy    " + state)
     lines.append(f"GPU transport    {choice['gpu']}")
     if any(c != choice for c in choices):
         lines.append("WARNING          ranks disagree on transports: " + repr(choices))

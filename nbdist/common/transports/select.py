@@ -22,6 +22,22 @@ HIERARCHICAL_KINDS = frozenset({"allreduce", "allgather", "broadcast", "reducesc
 KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter")
 
 
+def warn_single_copy_off(reason: str) -> None:
+    """Say, once per node, that the shm transport copies twice where it would copy once.
+
+    Nothing fails without single copy, so nothing else would tell: every broadcast and
+    allgather from 16 KiB and every allreduce from 2 MiB goes through the slots instead,
+    1.3-2x slower from 256 KiB (docs/native.md). `nbdist doctor` prints the same reason.
+    """
+    warnings.warn(
+        f"nbdist: single copy is off on this node: {reason}. Big transfers go through the "
+        "shared-memory slots instead (two copies, about 1.3-2x slower from 256 KiB). To have "
+        "it, let the ranks read each other (process_vm_readv needs ptrace access: Yama "
+        "ptrace_scope 0 or 1; in a container, CAP_SYS_PTRACE or a seccomp profile that allows "
+        "it); NBDIST_SHM_CMA_BYTES=0 turns it off without this warning.",
+        RuntimeWarning, stacklevel=3)
+
+
 class TransportSet:
     """Creates the transports at init() and hands out the right one for each op."""
 
@@ -65,6 +81,9 @@ class TransportSet:
                 error = str(exc)
         failed = topology.data_comm.allreduce(error is not None, op=MPI.LOR)
         if not failed:
+            off = getattr(self.shm, "single_copy_off", "")  # (shm: None on one rank a node)
+            if off and topology.local_rank == 0:
+                warn_single_copy_off(off)
             return
         if self.shm is not None:
             self.shm.close()
@@ -128,7 +147,8 @@ class TransportSet:
         return {"cpu_mode": self.cpu_mode, "cpu": cpu,
                 "gpu": self.nccl.name if self.nccl else f"unavailable ({self.nccl_reason})",
                 "single_copy": (getattr(shm, "single_copy_bytes", None),
-                                getattr(shm, "peer_reads", None))}
+                                getattr(shm, "peer_reads", None),
+                                getattr(shm, "single_copy_off", ""))}
 
     def close(self) -> None:
         for transport in (self.nccl, self.hierarchical, self.shm, self.mpi):

@@ -145,6 +145,7 @@ class ShmTransport(Transport):
         # single-copy
         self.single_copy_bytes = (0, 0, 0)
         self.peer_reads = "not tried"  # allow_peer_reads's answer, once single copy is tried
+        self.single_copy_off = ""  # why single copy was asked for and could not be had
         if single_copy and (cma_bytes or cma_gather or cma_reduce) and self._cma_works():
             self.single_copy_bytes = (cma_bytes, cma_gather, cma_reduce)
             self._native.set_cma_bytes(cma_bytes, cma_gather)
@@ -165,18 +166,28 @@ class ShmTransport(Transport):
             _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
         mine = np.full(8, 1000 + self.rank, np.int64)
-        peers = self.comm.allgather((os.getpid(), _address(mine)))
-        pid, address = peers[(self.rank + 1) % self.size]
+        peers = self.comm.allgather((os.getpid(), _address(mine), self.global_rank))
+        pid, address, neighbour = peers[(self.rank + 1) % self.size]
         got = np.zeros(8, np.int64)
+        error = ""
         try:
             libc = ctypes.CDLL(None, use_errno=True)
             local, remote = IoVec(_address(got), got.nbytes), IoVec(address, got.nbytes)
             n = libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
-            ok = n == got.nbytes and bool((got == 1000 + (self.rank + 1) % self.size).all())
-        except (OSError, AttributeError):
-            ok = False
-        ok = all(self.comm.allgather(ok))  # also keeps `mine` alive until every rank has read
-        return ok
+            if n != got.nbytes:
+                error = f"process_vm_readv: {os.strerror(ctypes.get_errno())}"
+            elif not (got == 1000 + (self.rank + 1) % self.size).all():
+                error = "process_vm_readv read other bytes than the neighbour holds"
+        except (OSError, AttributeError) as exc:
+            error = f"process_vm_readv: {exc}"
+        # (also keeps `mine` alive until every rank has read)
+        failures = [f for f in self.comm.allgather((self.global_rank, neighbour, error, self.peer_reads))
+                    if f[2]]
+        if failures:
+            rank, peer, error, yama = failures[0]
+            self.single_copy_off = (f"rank {rank} cannot read rank {peer}'s memory "
+                                    f"({error}; Yama: {yama})")
+        return not failures
 
     def _open(self, native, slot_bytes: int, nsets: int):
         """Create (local rank 0) or attach to the node's segment; collective over local_comm."""
