@@ -27,7 +27,8 @@ import statistics
 import time
 
 import numpy as np
-from collectives import parse_size  # (nbdist bench's sizes: 4K, 1M, ...)
+
+from nbdist.common.sizes import parse_bytes
 
 
 def main(argv=None) -> int:
@@ -69,7 +70,7 @@ def main(argv=None) -> int:
         return comm.allreduce((time.perf_counter() - start) / n * 1e6, op=MPI.MAX)
 
     rows: dict[tuple[str, int, str], list[float]] = {}
-    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    sizes = [parse_bytes(s) for s in args.sizes.split(",")]
     for size in sizes:
         a = np.ones(size // 4, np.float32)
         b = a.copy()

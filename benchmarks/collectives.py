@@ -23,29 +23,25 @@ import time
 
 import numpy as np
 
-KiB, MiB = 1024, 1024 * 1024
+from nbdist.common.sizes import MiB, format_bytes, parse_bytes
+
 DEFAULT_SIZES = "4K,64K,1M,4M,16M,64M,256M"
 OPS = ("allreduce", "allgather", "broadcast")
 IMPLS = ("nbdist", "nbdist-raw", "mpi4py", "gloo")
 
 
-def parse_size(text: str) -> int:
-    text = text.strip().upper().rstrip("B").rstrip("I")
-    scale = {"K": KiB, "M": MiB, "G": 1024 * MiB}.get(text[-1:], 1)
-    return int(float(text[:-1] if scale > 1 else text) * scale)
-
-
-def human(n: int) -> str:
-    for unit, scale in (("GiB", 1024 * MiB), ("MiB", MiB), ("KiB", KiB)):
-        if n >= scale:
-            return f"{n / scale:g} {unit}"
-    return f"{n} B"
+def size_list(text: str) -> list[int]:
+    """--sizes: bytes, comma-separated (4096, 4K, 1.5M, 2GiB)."""
+    try:
+        return [parse_bytes(s) for s in text.split(",") if s]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="nbdist bench", description=__doc__.split("\n")[0])
     p.add_argument("--ops", default=",".join(OPS), help="comma-separated: allreduce,allgather,broadcast")
-    p.add_argument("--sizes", default=DEFAULT_SIZES, help=f"bytes per rank's buffer (default {DEFAULT_SIZES})")
+    p.add_argument("--sizes", type=size_list, default=DEFAULT_SIZES, help=f"bytes per rank's buffer (default {DEFAULT_SIZES})")
     p.add_argument("--impls", default=",".join(IMPLS), help="which of nbdist,nbdist-raw,mpi4py,gloo")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--time", type=float, default=0.25, help="seconds to spend per measurement (default 0.25)")
@@ -194,7 +190,7 @@ def run(argv) -> int:
     comm = MPI.COMM_WORLD
     n, rank = comm.size, comm.rank
     ops = [o for o in args.ops.split(",") if o]
-    sizes = [parse_size(s) for s in args.sizes.split(",") if s]
+    sizes = args.sizes
     impls = [i for i in args.impls.split(",") if i]
     peers = Peers(comm, impls)
     impls = peers.impls
@@ -249,7 +245,7 @@ def run(argv) -> int:
                                  for k in ("engine_busbw_vs_mpi4py", "busbw_vs_mpi4py",
                                            "engine_busbw_vs_gloo", "busbw_vs_gloo"))
                 pct = f"| {row['busbw_pct_memcpy']:>11.1f}%" if "busbw_pct_memcpy" in row else ""
-                print(f"{human(nbytes):>9} {cells}{ratios}{pct}", flush=True)
+                print(f"{format_bytes(nbytes):>9} {cells}{ratios}{pct}", flush=True)
     peers.close()
     if rank == 0:
         if args.json_file:
@@ -279,7 +275,7 @@ def markdown(rows, impls, n, memcpy) -> str:
             pct = f"{r['busbw_pct_memcpy']:.0f} %" if "busbw_pct_memcpy" in r else "-"
             engine = " | ".join(f"{r[k]:.2f}×" if k in r else "-" for k in
                                 ("engine_busbw_vs_mpi4py", "engine_busbw_vs_gloo", "engine_time_vs_gloo"))
-            out.append(f"| {human(r['bytes'])} | {cells} | {ratios} | {pct} | {engine} |")
+            out.append(f"| {format_bytes(r['bytes'])} | {cells} | {ratios} | {pct} | {engine} |")
         out.append("")
     return "\n".join(out)
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import statistics
 import sys
@@ -40,20 +39,13 @@ from torch import nn
 import nbdist.torch as hvd
 from nbdist.common.config import Config
 from nbdist.common.ops_base import ReduceOp
+from nbdist.common.sizes import format_bytes, parse_bytes
 from nbdist.common.topology import Topology
 from peer_group import init_peer_group
 from nbdist.common.transports.select import TransportSet
 
 COMM = MPI.COMM_WORLD
 IMPLS = ("nbdist-raw", "nbdist", "torch")
-
-
-def _sibling():
-    """benchmarks/collectives.py, for its size helpers (parse_size, human)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import collectives
-
-    return collectives
 
 
 def parse_args(argv=None):
@@ -169,7 +161,7 @@ def bench_allreduce(args, device, size: int) -> list[dict]:
     ar = Allreduces(device)
     rows = []
     try:
-        for nbytes in [_sibling().parse_size(s) for s in args.sizes.split(",")]:
+        for nbytes in [parse_bytes(s) for s in args.sizes.split(",")]:
             buf = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
             iters = {}
             for impl in IMPLS:  # warm up (communicators, caches), then size the measurement
@@ -183,7 +175,7 @@ def bench_allreduce(args, device, size: int) -> list[dict]:
             del buf
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            row = {"bytes": nbytes, "size": _sibling().human(nbytes)}
+            row = {"bytes": nbytes, "size": format_bytes(nbytes)}
             for impl in IMPLS:
                 t = statistics.median(times[impl])
                 algbw = nbytes / t / 1e9

@@ -216,3 +216,20 @@ def test_a_full_pool_keeps_the_blocks_returned_last(monkeypatch):
     del too_big  # bigger than the whole pool: never kept
     assert buffers.pool_stats()["free_bytes"] <= 3 * small
     buffers.clear_pool()
+
+
+def test_sizes_print_as_people_read_them_and_read_back():
+    from nbdist.common.sizes import format_bytes, parse_bytes
+
+    printed = {0: "0 B", 512: "512 B", 16 << 10: "16 KiB", 1536 << 10: "1.5 MiB", 64 << 20: "64 MiB",
+               3 << 30: "3 GiB"}
+    for n, text in printed.items():
+        assert format_bytes(n) == text
+        assert parse_bytes(text) == n
+    for text, n in {"4096": 4096, "4K": 4096, "64k": 64 << 10, "4MiB": 4 << 20, "1.5M": 1536 << 10,
+                    "2 GiB": 2 << 30}.items():
+        assert parse_bytes(text) == n
+    with pytest.raises(ValueError, match=r"not a size in bytes: '4X'"):
+        parse_bytes("4X")
+    with pytest.raises(ValueError, match="cannot be negative"):
+        parse_bytes("-1M")

@@ -8,6 +8,8 @@ without outputs: the first test checks that, and the shape every lesson shares.
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -100,3 +102,14 @@ def test_bench_measure_returns_rows():
     assert all(r["time_us"] > 0 and r["busbw_GBps"] > 0 for r in rows)
     with pytest.raises(ValueError, match="at least 2"):
         measure(ranks=[1])
+
+
+@pytest.mark.timeout(60)
+def test_bench_says_which_size_it_cannot_read_before_starting_ranks():
+    # told once by the command itself (exit 2, argparse's usage error), not by every rank
+    nbdist = Path(sys.executable).with_name("nbdist")  # the console script beside this python
+    proc = subprocess.run([str(nbdist), "bench", "-n", "2", "--sizes", "4K,4X"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "running:" not in proc.stdout
+    assert proc.stderr.count("argument --sizes: not a size in bytes: '4X'") == 1, proc.stderr

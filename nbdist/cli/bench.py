@@ -40,17 +40,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if ours.help:
         rest = ["--help"]
-    under_mpi = under_mpi_launcher()
-    if under_mpi or ours.help:
-        spec = importlib.util.spec_from_file_location("nbdist_bench_collectives", SCRIPT)
-        assert spec is not None and spec.loader is not None, SCRIPT
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        print("usage: nbdist bench [-n N] [options below]") if ours.help else None
-        try:
+    spec = importlib.util.spec_from_file_location("nbdist_bench_collectives", SCRIPT)
+    assert spec is not None and spec.loader is not None, SCRIPT
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    print("usage: nbdist bench [-n N] [options below]") if ours.help else None
+    try:
+        if under_mpi_launcher() or ours.help:
             return module.run(rest)
-        except SystemExit as exc:  # --help
-            return int(exc.code or 0)
+        module.parse_args(rest)  # a typo is told here, once, not by every rank
+    except SystemExit as exc:  # --help, or argparse's error
+        return int(exc.code or 0)
     cmd = [mpiexec_path(), "-n", str(ours.n or 2), sys.executable, str(SCRIPT), *rest]
     print("running: " + " ".join(cmd), flush=True)
     return subprocess.call(cmd)

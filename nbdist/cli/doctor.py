@@ -99,12 +99,9 @@ def main() -> int:
 
 def _bytes(n: int) -> str:
     """A single-copy threshold as people read it (0: never single copy)."""
-    if n == 0:
-        return "never"
-    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:g} {unit}"
-    return f"{n} B"
+    from nbdist.common.sizes import format_bytes
+
+    return "never" if n == 0 else format_bytes(n)
 
 
 def transport_report(MPI) -> list[str]:

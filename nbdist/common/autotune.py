@@ -34,8 +34,7 @@ import numpy as np
 
 from .ops import allreduce
 from .ops_base import Max
-
-MiB = 1024 * 1024
+from .sizes import format_bytes
 
 
 def slowest_rank(seconds: float, name: str, process_set=None) -> float:
@@ -132,4 +131,4 @@ class SizeTuner:
                         log.write(f"{size},{n},{1e3 * seconds:.3f},{int(size == self.chosen)}\n")
 
     def _label(self, size: int) -> str:
-        return self.zero_label if size == 0 else f"{size / MiB:g} MiB"
+        return self.zero_label if size == 0 else format_bytes(size)

@@ -20,7 +20,8 @@ from collections import OrderedDict
 
 import numpy as np
 
-MiB = 1 << 20
+from .sizes import MiB
+
 POOL_MIN_BYTES = 1 * MiB  # below this, glibc's malloc reuses freed memory by itself
 POOL_MAX_FREE_BYTES = 256 * MiB  # free blocks kept (a 4-rank 64 MiB allgather); more go back
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields
 
-MiB = 1024 * 1024
+from .sizes import MiB
 
 
 def _env(name: str, horovod_name: str | None = None) -> str | None:

@@ -17,7 +17,8 @@ import tensorflow as tf
 
 from nbdist import common as _c
 from nbdist.common import process_sets as _ps
-from nbdist.common.autotune import MiB, SizeTuner, agree_by
+from nbdist.common.autotune import SizeTuner, agree_by
+from nbdist.common.sizes import MiB
 
 from . import _bridge, _naming
 from .compression import Compression

@@ -23,7 +23,8 @@ import torch
 
 from nbdist import common as _c
 from nbdist.common import world as _world
-from nbdist.common.autotune import MiB, SizeTuner, agree_by
+from nbdist.common.autotune import SizeTuner, agree_by
+from nbdist.common.sizes import MiB
 
 from .compression import Compression
 from .mpi_ops import (Adasum, Average, _SparseHandle, allreduce_async_,

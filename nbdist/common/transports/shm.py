@@ -14,9 +14,9 @@ import numpy as np
 
 from ..config import env_int
 from ..transport import Transport, TransportError
+from ..sizes import MiB
 from ._dtypes import dtype_code, op_code
 
-MiB = 1024 * 1024
 
 
 def native_module():
