@@ -41,7 +41,8 @@ def size_list(text: str) -> list[int]:
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="nbdist bench", description=__doc__.split("\n")[0])
     p.add_argument("--ops", default=",".join(OPS), help="comma-separated: allreduce,allgather,broadcast")
-    p.add_argument("--sizes", type=size_list, default=DEFAULT_SIZES, help=f"bytes per rank's buffer (default {DEFAULT_SIZES})")
+    p.add_argument("--sizes", type=size_list, default=DEFAULT_SIZES,
+                   help=f"bytes per rank's buffer (default {DEFAULT_SIZES})")
     p.add_argument("--impls", default=",".join(IMPLS), help="which of nbdist,nbdist-raw,mpi4py,gloo")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--time", type=float, default=0.25, help="seconds to spend per measurement (default 0.25)")

@@ -239,6 +239,43 @@ void bind_shm(py::module_& m) {
       .def("set_cma_allreduce_bytes", [](PyShm& s, size_t bytes) {
         s.comm().set_cma_allreduce_bytes(bytes);
       })
+      .def("set_path_tuning",
+           [](PyShm& s, bool broadcast, bool allgather, bool allreduce) {
+             s.comm().set_path_tuning(broadcast, allgather, allreduce);
+           },
+           py::arg("broadcast"), py::arg("allgather"), py::arg("allreduce"),
+           "Choose single copy or the slots by measurement for these kinds, from 256 KiB "
+           "(after set_cma_bytes and set_cma_allreduce_bytes; the same on every rank).")
+      .def("path_plan",
+           [](PyShm& s) {
+             const nbdist::ShmComm& c = s.comm();
+             const nbdist::PathPlan& p = c.path_plan();
+             return py::make_tuple(p.cma[nbdist::kPathBroadcast], p.cma[nbdist::kPathAllgather],
+                                   p.cma[nbdist::kPathAllreduce], c.planned_allreduces());
+           },
+           "The plan in force: (broadcast, allgather, allreduce) bit masks, where bit c sends "
+           "[2^c, 2^(c+1)) bytes single-copy, and the allreduces that carried a plan so far.")
+      .def("path_timings",
+           [](PyShm& s) {
+             const nbdist::ShmComm& c = s.comm();
+             const nbdist::PathTuner& t = c.path_tuner();
+             static const char* const kinds[] = {"broadcast", "allgather", "allreduce"};
+             py::list rows;
+             for (int k = 0; k < nbdist::kPathKinds; ++k) {
+               const auto kind = static_cast<nbdist::PathKind>(k);
+               for (int cls = nbdist::PathTuner::kMinClass; cls < nbdist::PathTuner::kClasses; ++cls) {
+                 if (t.timed(kind, cls) == 0) continue;
+                 rows.append(py::make_tuple(kinds[k], uint64_t{1} << cls, t.timed(kind, cls),
+                                            t.median_ns_per_byte(kind, cls, false),
+                                            t.median_ns_per_byte(kind, cls, true),
+                                            t.prefers_cma(kind, cls)));
+               }
+             }
+             return rows;
+           },
+           "Local rank 0's path timings: (kind, class bytes, transfers timed, median ns per "
+           "byte through the slots, single-copy (-1: none yet), whether single copy is the "
+           "one kept) per class timed.")
       .def("set_vote_carries", [](PyShm& s, bool on) { s.comm().set_vote_carries(on); },
            "An agreement segment's votes carry single-copy ops' addresses (default on).")
       .def("publish_queued", [](PyShm& s, int64_t v) { s.comm().publish_queued(v); })

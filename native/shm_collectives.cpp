@@ -182,15 +182,56 @@ void ShmComm::allreduce_pieces(const std::vector<Piece>& pieces, int dtype, int 
     return scale_pieces(pieces, dtype, factor);
   }
   const size_t bytes = total * item;
-  // Chosen by sizes alone (the same on every rank): single copy, each rank's (src, dst)
-  // table in its slot.
-  if (cma_reduces(bytes) && pieces.size() * 2 * sizeof(uintptr_t) <= slot_bytes_)
-    return allreduce_cma(pieces, dtype, fn, factor, ctx);
-  if (bytes > small_bytes_ || bytes > slot_bytes_) {
+  // Chosen by sizes and the plan in force (the same on every rank): single copy, each
+  // rank's (src, dst) table in its slot.
+  const bool single = cma_reduces(bytes) && pieces.size() * 2 * sizeof(uintptr_t) <= slot_bytes_;
+  plan_publish();
+  const auto t0 = std::chrono::steady_clock::now();
+  if (single) {
+    allreduce_cma(pieces, dtype, fn, factor, ctx);
+  } else if (bytes > small_bytes_ || bytes > slot_bytes_) {
     reduce_chunked(pieces, dtype, op, -1, ctx);
-    return scale_pieces(pieces, dtype, factor);
+    scale_pieces(pieces, dtype, factor);
+  } else {
+    allreduce_packed(pieces, dtype, fn, factor, ctx);
   }
-  // As allreduce_small, with the pieces packed into the slot and reduced out of it.
+  plan_note(kPathAllreduce, bytes, single, t0);
+  plan_adopt();
+}
+
+void ShmComm::plan_publish() {
+  if (tuning_any_ && n_ > 1 && rank_ == 0) hdr_->plans[allreduces_ % 2] = tuner_.next();
+}
+
+void ShmComm::plan_adopt() {
+  if (!tuning_any_ || n_ <= 1) return;
+  plan_ = hdr_->plans[allreduces_ % 2];
+  ++allreduces_;
+}
+
+void ShmComm::plan_note(PathKind kind, size_t bytes, bool cma, std::chrono::steady_clock::time_point t0) {
+  if (!tuning_[kind] || rank_ != 0) return;
+  const std::chrono::duration<double, std::nano> took = std::chrono::steady_clock::now() - t0;
+  tuner_.record(kind, bytes, cma, took.count());
+}
+
+void ShmComm::set_path_tuning(bool broadcast, bool allgather, bool allreduce) {
+  tuning_[kPathBroadcast] = broadcast;
+  tuning_[kPathAllgather] = allgather;
+  tuning_[kPathAllreduce] = allreduce;
+  tuning_any_ = broadcast || allgather || allreduce;
+  initial_plan_.cma[kPathBroadcast] = PathTuner::plan_bits(cma_bytes_);
+  initial_plan_.cma[kPathAllgather] = PathTuner::plan_bits(cma_gather_bytes_);
+  initial_plan_.cma[kPathAllreduce] = PathTuner::plan_bits(cma_reduce_bytes_);
+  plan_ = initial_plan_;
+  allreduces_ = 0;
+  tuner_.start(initial_plan_);
+}
+
+// As allreduce_small, with the pieces packed into the slot and reduced out of it.
+void ShmComm::allreduce_packed(const std::vector<Piece>& pieces, int dtype, ReduceFn fn, double factor,
+                               WaitContext& ctx) {
+  const size_t item = dtype_size(dtype);
   int s = acquire_set(true, ctx);
   char* slot = seg_.slot(s, rank_);
   for (const Piece& p : pieces) {
@@ -353,7 +394,7 @@ void poll_as(WaitContext& ctx, int spin_iters, int yield_iters) {
 bool ShmComm::vote_allgatherv(int32_t* vec, size_t words, const void* send_, void* recv_,
                               const std::vector<int64_t>& byte_counts,
                               const std::function<bool(const int32_t*)>& may_run,
-                              const ShmComm& data, WaitContext& ctx) {
+                              ShmComm& data, WaitContext& ctx) {
   check_counts(byte_counts, n_, ctx.what);
   char* recv = static_cast<char*>(recv_);
   const std::vector<size_t> displ = prefix(byte_counts);
@@ -365,18 +406,22 @@ bool ShmComm::vote_allgatherv(int32_t* vec, size_t words, const void* send_, voi
   poll_as(ctx, data.spin_iters_, data.yield_iters_);
   // The peers' parts first, then the own part while the slower peers still read from this
   // rank (they wait for none of it; copied before the vote, it would hold up their reads).
-  return vote_with(vec, words, &address, sizeof address, may_run,
+  std::chrono::steady_clock::time_point t0;  // once the vote is through: the transfer's time
+  const bool ran = vote_with(vec, words, &address, sizeof address, may_run,
                    [&](const std::vector<const void*>& packed) {
+                     t0 = std::chrono::steady_clock::now();
                      read_parts(recv, byte_counts, displ,
                                 [&](int q) { return packed_address(packed[q]); }, ctx);
                    }, true, ctx, [&]() {
                      if (mine && send != own) copy_own(own, send, mine);
                    });
+  if (ran) data.plan_note(kPathAllgather, displ.back() + static_cast<size_t>(byte_counts.back()), true, t0);
+  return ran;
 }
 
 bool ShmComm::vote_broadcast(int32_t* vec, size_t words, void* buf_, size_t bytes, int root,
                              const void* src_, const std::function<bool(const int32_t*)>& may_run,
-                             const ShmComm& data, WaitContext& ctx) {
+                             ShmComm& data, WaitContext& ctx) {
   if (root < 0 || root >= n_) throw std::invalid_argument("shm broadcast: root out of range");
   char* buf = static_cast<char*>(buf_);
   const char* src = rank_ == root && src_ != buf_ ? static_cast<const char*>(src_) : nullptr;
@@ -384,29 +429,41 @@ bool ShmComm::vote_broadcast(int32_t* vec, size_t words, void* buf_, size_t byte
   poll_as(ctx, data.spin_iters_, data.yield_iters_);
   // Only the root waits for the readers (its buffer may change once it returns), making
   // its own result from `src` meanwhile.
-  return vote_with(vec, words, &address, sizeof address, may_run,
+  std::chrono::steady_clock::time_point t0;
+  const bool ran = vote_with(vec, words, &address, sizeof address, may_run,
                    [&](const std::vector<const void*>& packed) {
+                     t0 = std::chrono::steady_clock::now();
                      if (rank_ != root) read_peer(root, buf, packed_address(packed[root]), bytes, ctx);
                    }, rank_ == root, ctx, [&]() {
                      if (src) copy_own(buf, src, bytes);
                    });
+  if (ran) data.plan_note(kPathBroadcast, bytes, true, t0);
+  return ran;
 }
 
 bool ShmComm::vote_allreduce(int32_t* vec, size_t words, const void* src_, void* dst_, size_t count,
                              int dtype, int op, double factor,
                              const std::function<bool(const int32_t*)>& may_run,
-                             const ShmComm& data, WaitContext& ctx) {
+                             ShmComm& data, WaitContext& ctx) {
   ReduceFn fn = kernel_or_throw(dtype, op, ctx.what);
   check_factor(dtype, factor);
   std::vector<std::vector<char>> copies;
   const std::vector<Piece> one = readable_pieces({Piece{src_, dst_, count}}, dtype_size(dtype), copies);
   const uintptr_t addresses[2] = {reinterpret_cast<uintptr_t>(one[0].src), reinterpret_cast<uintptr_t>(dst_)};
   poll_as(ctx, data.spin_iters_, data.yield_iters_);
-  return vote_with(vec, words, addresses, sizeof addresses, may_run,
+  data.plan_publish();  // (before this rank's vote posts: see plan_publish)
+  std::chrono::steady_clock::time_point t0;
+  const bool ran = vote_with(vec, words, addresses, sizeof addresses, may_run,
                    [&](const std::vector<const void*>& packed) {
+                     t0 = std::chrono::steady_clock::now();
                      reduce_cma(one, dtype, fn, factor,
                                 [&](int q, size_t k) { return packed_address(packed[q], k); }, ctx);
                    }, true, ctx);  // (and every rank's dst read by all before it returns)
+  if (ran) {  // an allreduce every rank ran: it carries the plan (not run, the data op will)
+    data.plan_note(kPathAllreduce, count * dtype_size(dtype), true, t0);
+    data.plan_adopt();
+  }
+  return ran;
 }
 
 void ShmComm::reduce_cma(const std::vector<Piece>& pieces, int dtype, ReduceFn fn, double factor,
@@ -495,9 +552,8 @@ void ShmComm::reduce_cma(const std::vector<Piece>& pieces, int dtype, ReduceFn f
 }
 
 bool ShmComm::wants_cma_allgatherv(const std::vector<int64_t>& byte_counts) const {
-  return n_ > 1 && cma_gather_bytes_ &&
-         static_cast<size_t>(std::accumulate(byte_counts.begin(), byte_counts.end(), int64_t{0})) >=
-             cma_gather_bytes_;
+  const int64_t total = std::accumulate(byte_counts.begin(), byte_counts.end(), int64_t{0});
+  return single_copy(kPathAllgather, static_cast<size_t>(total), cma_gather_bytes_);
 }
 
 // Large buffers: per chunk, copy in; each rank reduces its own slice (a
@@ -574,7 +630,11 @@ void ShmComm::broadcast(void* buf_, size_t bytes, int root, WaitContext& ctx, co
     if (src) copy_own(buf, src, bytes);
     return;
   }
-  if (cma_bytes_ && bytes >= cma_bytes_) return broadcast_cma(buf, bytes, root, ctx, src);
+  const auto t0 = std::chrono::steady_clock::now();
+  if (wants_cma_broadcast(bytes)) {
+    broadcast_cma(buf, bytes, root, ctx, src);
+    return plan_note(kPathBroadcast, bytes, true, t0);
+  }
   // (the slots: the root's two copies run while the peers copy out anyway)
   if (src) copy_own(buf, src, bytes);
   const size_t cap = slot_bytes_ * n_;
@@ -595,6 +655,7 @@ void ShmComm::broadcast(void* buf_, size_t bytes, int root, WaitContext& ctx, co
       release_set(s, read);
     }
   }
+  plan_note(kPathBroadcast, bytes, false, t0);
 }
 
 void ShmComm::allgatherv(const void* send_, void* recv_, const std::vector<int64_t>& byte_counts,
@@ -603,7 +664,19 @@ void ShmComm::allgatherv(const void* send_, void* recv_, const std::vector<int64
   check_not_aborted(ctx);
   const char* send = static_cast<const char*>(send_);
   char* recv = static_cast<char*>(recv_);
-  if (wants_cma_allgatherv(byte_counts)) return allgatherv_cma(send, recv, byte_counts, ctx);
+  const bool single = wants_cma_allgatherv(byte_counts);
+  const auto t0 = std::chrono::steady_clock::now();
+  if (single)
+    allgatherv_cma(send, recv, byte_counts, ctx);
+  else
+    allgatherv_slots(send, recv, byte_counts, ctx);
+  plan_note(kPathAllgather,
+            static_cast<size_t>(std::accumulate(byte_counts.begin(), byte_counts.end(), int64_t{0})), single,
+            t0);
+}
+
+void ShmComm::allgatherv_slots(const char* send, char* recv, const std::vector<int64_t>& byte_counts,
+                               WaitContext& ctx) {
   const std::vector<size_t> displ = prefix(byte_counts);
   const size_t mine = static_cast<size_t>(byte_counts[rank_]);
   char* const own = recv + displ[rank_];

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "kernels.hpp"
+#include "path_tuner.hpp"
 #include "shm_segment.hpp"
 
 namespace nbdist {
@@ -132,11 +133,11 @@ class ShmComm {
   // (wants_cma_*), so that no rank without CMA takes part in a CMA op.
   bool vote_allgatherv(int32_t* vec, size_t words, const void* send, void* recv,
                        const std::vector<int64_t>& byte_counts,
-                       const std::function<bool(const int32_t*)>& may_run, const ShmComm& data,
+                       const std::function<bool(const int32_t*)>& may_run, ShmComm& data,
                        WaitContext& ctx);
   bool vote_broadcast(int32_t* vec, size_t words, void* buf, size_t bytes, int root,
                       const void* src, const std::function<bool(const int32_t*)>& may_run,
-                      const ShmComm& data, WaitContext& ctx);
+                      ShmComm& data, WaitContext& ctx);
   // On an agreement comm: whether its votes carry single-copy ops (vote_allgatherv,
   // vote_broadcast) at all; off, those ops run on their data segment after the vote, as
   // before 2026-12-07 (benchmarks/cma_threshold.py measures both). The same on every rank.
@@ -152,11 +153,11 @@ class ShmComm {
   // an Average costs no pass over the whole result afterwards.
   bool vote_allreduce(int32_t* vec, size_t words, const void* src, void* dst, size_t count,
                       int dtype, int op, double factor,
-                      const std::function<bool(const int32_t*)>& may_run, const ShmComm& data,
+                      const std::function<bool(const int32_t*)>& may_run, ShmComm& data,
                       WaitContext& ctx);
   // Whether an allreduce of `bytes` goes single-copy (vote_allreduce, allreduce_cma): by
   // size alone, so every rank decides alike.
-  bool cma_reduces(size_t bytes) const { return n_ > 1 && cma_reduce_bytes_ && bytes >= cma_reduce_bytes_; }
+  bool cma_reduces(size_t bytes) const { return single_copy(kPathAllreduce, bytes, cma_reduce_bytes_); }
   // The pieces as the single-copy reduction reads them: a piece whose src partly overlaps
   // its dst (no API path passes one; in place is fine) is read from a copy kept in
   // `copies`, so that whether an allreduce goes single-copy stays a matter of sizes.
@@ -164,7 +165,28 @@ class ShmComm {
                                             std::vector<std::vector<char>>& copies);
   // Whether this comm moves an allgatherv of these counts, or a broadcast of `bytes`, by CMA.
   bool wants_cma_allgatherv(const std::vector<int64_t>& byte_counts) const;
-  bool wants_cma_broadcast(size_t bytes) const { return n_ > 1 && cma_bytes_ && bytes >= cma_bytes_; }
+  bool wants_cma_broadcast(size_t bytes) const { return single_copy(kPathBroadcast, bytes, cma_bytes_); }
+  // Whether a transfer of `bytes` of `kind` goes single-copy: never without a threshold
+  // (CMA off or not allowed here); from 256 KiB, where the path of that kind is tuned, as
+  // the plan in force says (the same on every rank); else from the threshold.
+  bool single_copy(PathKind kind, size_t bytes, size_t threshold) const {
+    if (n_ <= 1 || threshold == 0) return false;
+    if (tuning_[kind] && PathTuner::size_class(bytes) >= PathTuner::kMinClass)
+      return PathTuner::in_plan(plan_, kind, bytes);
+    return bytes >= threshold;
+  }
+
+  // Path tuning (path_tuner.hpp), per kind, from the thresholds set before (set_cma_bytes,
+  // set_cma_allreduce_bytes): local rank 0 times its transfers, and each allreduce carries
+  // its latest plan to every rank. Off for a kind, its threshold alone decides. The same
+  // on every rank, before the first op.
+  void set_path_tuning(bool broadcast, bool allgather, bool allreduce);
+  bool path_tuning(PathKind kind) const { return tuning_[kind]; }
+  // The plan in force, and how many allreduces have carried one.
+  const PathPlan& path_plan() const { return plan_; }
+  uint64_t planned_allreduces() const { return allreduces_; }
+  // Local rank 0's timings (other ranks time nothing).
+  const PathTuner& path_tuner() const { return tuner_; }
 
   // The engine's agreement loop uses one segment of its own and, between its
   // cycles, sleeps here (GIL released) instead of polling: until a peer has started
@@ -255,12 +277,25 @@ class ShmComm {
                   const std::function<uintptr_t(int)>& address_of, WaitContext& ctx);
   void allgatherv_cma(const char* send, char* recv, const std::vector<int64_t>& byte_counts,
                       WaitContext& ctx);
+  void allgatherv_slots(const char* send, char* recv, const std::vector<int64_t>& byte_counts,
+                        WaitContext& ctx);
   void broadcast_cma(char* buf, size_t bytes, int root, WaitContext& ctx, const char* src);
   void read_peer(int q, char* dst, uintptr_t src, size_t len, WaitContext& ctx);
   // Runs of rank q's memory, remote[i] into local[i] (equal lengths), in as few
   // process_vm_readv calls as the iovec limit allows.
   void read_peer_runs(int q, const std::vector<struct iovec>& local,
                       const std::vector<struct iovec>& remote, WaitContext& ctx);
+  // The plan's way from rank 0 to every rank: on entry to an allreduce (before its first
+  // post), rank 0 writes its tuner's next plan into plans[n % 2] of the header (n: the
+  // allreduces so far, the same count on every rank); on the way out, once every rank has
+  // seen rank 0's posts of this op, each takes plans[n % 2] as its plan. Rank 0 cannot
+  // write that entry again before every rank has left this op (it would have to finish
+  // the next allreduce, which needs them all). Only allreduces carry it: in every other op
+  // some rank may not wait for rank 0 at all (a broadcast from another root).
+  void plan_publish();
+  void plan_adopt();
+  // Rank 0, path tuning on for `kind`: a transfer that started at `t0` is done.
+  void plan_note(PathKind kind, size_t bytes, bool cma, std::chrono::steady_clock::time_point t0);
   // Single-copy allreduce of a unit with syncs of its own: each rank's (src, dst) per
   // piece goes into its slot, then reduce_cma, then one sync before any buffer may change.
   void allreduce_cma(const std::vector<Piece>& pieces, int dtype, ReduceFn fn, double factor,
@@ -275,6 +310,9 @@ class ShmComm {
                   const std::function<uintptr_t(int, size_t)>& address, WaitContext& ctx);
   void allreduce_small(const char* src, char* dst, size_t bytes, size_t count, int dtype, int op,
                        WaitContext& ctx);
+  // A unit that fits a slot: its pieces packed into the slot and reduced out of it.
+  void allreduce_packed(const std::vector<Piece>& pieces, int dtype, ReduceFn fn, double factor,
+                        WaitContext& ctx);
   void reduce_chunked(const std::vector<Piece>& pieces, int dtype, int op, int root,
                       WaitContext& ctx);
 
@@ -294,6 +332,12 @@ class ShmComm {
   size_t cma_gather_bytes_ = 0;  // allgather
   size_t cma_reduce_bytes_ = 0;  // allreduce
   std::vector<char> cma_scratch_;  // reduce_cma's peer pieces
+  bool tuning_[kPathKinds] = {false, false, false};
+  bool tuning_any_ = false;
+  PathPlan initial_plan_{};  // from the thresholds
+  PathPlan plan_{};          // in force (every rank)
+  uint64_t allreduces_ = 0;  // allreduces that carried a plan
+  PathTuner tuner_;          // local rank 0's
   bool vote_carries_ = true;
   std::atomic<uint64_t> doorbell_{0};  // ring() count (this process only)
   std::atomic<int> idle_sleeping_{0};  // wait_activity is (about to be) in FUTEX_WAIT

@@ -133,6 +133,11 @@ void ShmComm::reset_local() {
   next_set_ = 0;
   scratch_free_ = 0;
   std::fill(free_phase_.begin(), free_phase_.end(), 0);
+  // Path tuning starts again from the thresholds on every rank (the count of allreduces
+  // that carried a plan restarts with it, so both stay alike across ranks).
+  plan_ = initial_plan_;
+  allreduces_ = 0;
+  tuner_.start(initial_plan_);
 }
 
 std::string ShmComm::death_of(int r, const WaitContext& ctx, bool gone) const {

@@ -530,3 +530,99 @@ def test_allgather_and_broadcast_with_and_without_single_copy(monkeypatch, env):
                 same(buf, data)
     finally:
         t.close()
+
+
+def _tuned_transport(**kwargs) -> ShmTransport:
+    t = ShmTransport(COMM, RANK, timeout_s=60, **kwargs)
+    if not t.single_copy_bytes[2]:
+        t.close()
+        pytest.skip("process_vm_readv is not allowed here: there is no second path to choose")
+    return t
+
+
+def test_paths_chosen_by_measurement_stay_the_same_on_every_rank():
+    # Local rank 0 alone times the transfers and picks each size class's path; every
+    # allreduce carries its latest plan to all ranks. Mixed ops and sizes, ranks arriving
+    # apart, in and out of place, fused pieces, broadcasts from every root: every result is
+    # right (a rank on another path than its peers would hang or garble), every rank ends
+    # with the same plan, and rank 0 has timed both paths of the classes it ran.
+    t = _tuned_transport()
+    try:
+        assert set(t.tuned_paths) == {"broadcast", "allgather", "allreduce"}
+        rng = np.random.default_rng(7)  # the same sequence on every rank
+        for i in range(240):
+            if rng.random() < 0.1:
+                time.sleep(0.002 * ((RANK + i) % SIZE))
+            count = int(rng.choice([64 * 1024, 300_000, 1 << 20]))
+            kind = rng.choice(["allreduce", "allreduce_into", "pieces", "allgather", "broadcast"])
+            if kind == "allreduce":
+                buf = contribution(RANK, count, np.float32, ReduceOp.Sum)
+                t.allreduce(buf, ReduceOp.Sum)
+                same(buf, reference(count, np.float32, ReduceOp.Sum))
+            elif kind == "allreduce_into":
+                out = np.empty(count, np.float32)
+                t.allreduce_into(contribution(RANK, count, np.float32, ReduceOp.Sum), out, ReduceOp.Sum)
+                same(out, reference(count, np.float32, ReduceOp.Sum))
+            elif kind == "pieces":
+                sizes = [count // 3, 7, count - count // 3 - 7]
+                srcs = [contribution(RANK, n, np.float32, ReduceOp.Sum) for n in sizes]
+                t.allreduce_pieces(srcs, srcs, ReduceOp.Sum, 1.0)
+                for n, got in zip(sizes, srcs):
+                    same(got, reference(n, np.float32, ReduceOp.Sum))
+            elif kind == "allgather":
+                recv = np.empty(count * SIZE, np.float32)
+                t.allgatherv(np.full(count, RANK + i, np.float32), recv, [count] * SIZE)
+                same(recv, np.repeat(np.arange(SIZE, dtype=np.float32) + i, count))
+            else:
+                root = i % SIZE
+                buf = np.full(count, RANK + 0.5, np.float32)
+                t.broadcast(buf, root)
+                same(buf, np.full(count, root + 0.5, np.float32))
+        plans = COMM.allgather(t._native.path_plan())
+        assert all(p == plans[0] for p in plans), plans
+        assert plans[0][3] > 0  # allreduces carried it
+        if RANK == 0:
+            timed = {(kind, size): (slots, single) for kind, size, _, slots, single, _ in t._native.path_timings()}
+            for size in (1 << 20, 4 << 20):  # 300_000 and 1 << 20 float32 elements
+                slots, single = timed[("allreduce", size)]
+                assert slots > 0 and single > 0, timed
+    finally:
+        t.close()
+
+
+def test_a_much_slower_path_is_left_for_the_faster_one():
+    # With 4 KiB slots a 4 MiB allreduce through them takes a thousand synchronisations;
+    # single copy takes three. Whatever the thresholds said first, the tuner keeps single
+    # copy for that class once it has timed both, on every rank.
+    t = _tuned_transport(slot_bytes=4096)
+    try:
+        t._native.set_cma_allreduce_bytes(64 << 20)  # start on the slow path
+        t._native.set_path_tuning(True, True, True)
+        buf = np.zeros(1 << 20, np.float32)
+        for _ in range(12):
+            buf[:] = RANK + 1
+            t.allreduce(buf, ReduceOp.Sum)
+            same(buf, np.full(1 << 20, SIZE * (SIZE + 1) / 2, np.float32))
+        plans = COMM.allgather(t._native.path_plan())
+        assert all(p == plans[0] for p in plans), plans
+        assert plans[0][2] >> 22 & 1, f"4 MiB allreduces still go through the slots: {plans[0]}"
+        if RANK == 0:
+            row = [r for r in t._native.path_timings() if r[:2] == ("allreduce", 4 << 20)][0]
+            assert row[5] and 0 < row[4] < row[3], row
+    finally:
+        t.close()
+
+
+def test_a_threshold_from_the_environment_is_not_tuned(monkeypatch):
+    monkeypatch.setenv("NBDIST_SHM_CMA_ALLREDUCE_BYTES", str(1 << 20))
+    t = _tuned_transport()
+    try:
+        assert t.tuned_paths == ("broadcast", "allgather")
+        plan = t._native.path_plan()
+        buf = np.zeros(1 << 20, np.float32)
+        for _ in range(40):
+            t.allreduce(buf, ReduceOp.Sum)
+        assert t._native.path_plan()[2] == plan[2]  # the allreduce mask never moved
+        assert not [r for r in t._native.path_timings() if r[0] == "allreduce"]
+    finally:
+        t.close()

@@ -146,10 +146,23 @@ class ShmTransport(Transport):
         self.single_copy_bytes = (0, 0, 0)
         self.peer_reads = "not tried"  # allow_peer_reads's answer, once single copy is tried
         self.single_copy_off = ""  # why single copy was asked for and could not be had
+        self.tuned_paths: tuple[str, ...] = ()  # kinds whose path is chosen by measurement
         if single_copy and (cma_bytes or cma_gather or cma_reduce) and self._cma_works():
             self.single_copy_bytes = (cma_bytes, cma_gather, cma_reduce)
             self._native.set_cma_bytes(cma_bytes, cma_gather)
             self._native.set_cma_allreduce_bytes(cma_reduce)
+            # Which path is faster from 256 KiB moves with the memory system's state, even
+            # on one machine (docs/native.md, "Paths chosen by measurement"): local rank 0
+            # times both and every allreduce carries its choice to all ranks. A threshold
+            # set in the environment is the user's choice and stays fixed.
+            if _env_int("NBDIST_SHM_TUNE_PATHS", 1):
+                fixed = {name for name in ("NBDIST_SHM_CMA_BYTES", "NBDIST_SHM_CMA_ALLGATHER_BYTES",
+                                           "NBDIST_SHM_CMA_ALLREDUCE_BYTES") if name in os.environ}
+                tune = {"broadcast": "NBDIST_SHM_CMA_BYTES" not in fixed,
+                        "allgather": not fixed & {"NBDIST_SHM_CMA_BYTES", "NBDIST_SHM_CMA_ALLGATHER_BYTES"},
+                        "allreduce": not fixed & {"NBDIST_SHM_CMA_BYTES", "NBDIST_SHM_CMA_ALLREDUCE_BYTES"}}
+                self._native.set_path_tuning(**{k: bool(v) for k, v in tune.items()})
+                self.tuned_paths = tuple(k for k, v in tune.items() if v)
 
     def _cma_works(self) -> bool:
         """Whether every rank can read its neighbour's memory (process_vm_readv); collective.
