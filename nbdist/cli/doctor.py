@@ -130,13 +130,17 @@ def transport_report(MPI) -> list[str]:
              f"CPU transport    mode {choice['cpu_mode']}"]
     for kind in KINDS:
         lines.append(f"  {kind:<14} {choice['cpu'][kind]}")
-    sizes, peer_reads, off = choice["single_copy"]
-    if sizes is not None:
-        if any(sizes):
-            state = ("on (CMA) from {} broadcast, {} allgather, {} allreduce".format(*map(_bytes, sizes))
-                     + f"; Yama: {peer_reads}")
+    single = choice["single_copy"]
+    if single["bytes"] is not None:
+        if any(single["bytes"]):
+            state = "on (CMA) from {} broadcast, {} allgather, {} allreduce".format(*map(_bytes, single["bytes"]))
+            if single["tuned"]:
+                state += (f"; from {_bytes(256 * 1024)} {', '.join(single['tuned'])} take the path "
+                          "measured faster")
+            state += f"; Yama: {single['peer_reads']}"
         else:  # the probe's reason names Yama's answer too
-            state = f"off ({off or 'NBDIST_SHM_CMA_*_BYTES=0'}): the shm transport copies through its slots"
+            state = (f"off ({single['off'] or 'NBDIST_SHM_CMA_*_BYTES=0'}): the shm transport copies "
+                     "through its slots")
         lines.append("  single copy    " + state)
     lines.append(f"GPU transport    {choice['gpu']}")
     if any(c != choice for c in choices):

@@ -590,10 +590,13 @@ def test_paths_chosen_by_measurement_stay_the_same_on_every_rank():
         t.close()
 
 
-def test_a_much_slower_path_is_left_for_the_faster_one():
-    # With 4 KiB slots a 4 MiB allreduce through them takes a thousand synchronisations;
-    # single copy takes three. Whatever the thresholds said first, the tuner keeps single
-    # copy for that class once it has timed both, on every rank.
+def test_a_much_slower_path_is_left_for_the_faster_one(monkeypatch):
+    # With 4 KiB slots a 4 MiB allreduce through them takes two thousand synchronisations,
+    # each a futex sleep here (no spinning, no yielding); single copy takes about ten.
+    # Whatever the thresholds said first, the tuner keeps single copy for that class once
+    # it has timed both, on every rank.
+    monkeypatch.setenv("NBDIST_SHM_SPIN", "0")
+    monkeypatch.setenv("NBDIST_SHM_YIELDS", "0")
     t = _tuned_transport(slot_bytes=4096)
     try:
         t._native.set_cma_allreduce_bytes(64 << 20)  # start on the slow path

@@ -146,9 +146,10 @@ class TransportSet:
         shm = self.shm
         return {"cpu_mode": self.cpu_mode, "cpu": cpu,
                 "gpu": self.nccl.name if self.nccl else f"unavailable ({self.nccl_reason})",
-                "single_copy": (getattr(shm, "single_copy_bytes", None),
-                                getattr(shm, "peer_reads", None),
-                                getattr(shm, "single_copy_off", ""))}
+                "single_copy": {"bytes": getattr(shm, "single_copy_bytes", None),
+                                "peer_reads": getattr(shm, "peer_reads", None),
+                                "off": getattr(shm, "single_copy_off", ""),
+                                "tuned": getattr(shm, "tuned_paths", ())}}
 
     def close(self) -> None:
         for transport in (self.nccl, self.hierarchical, self.shm, self.mpi):
