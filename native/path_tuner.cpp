@@ -39,8 +39,13 @@ void PathTuner::record(PathKind kind, size_t bytes, bool cma, double ns) {
   p.next = (p.next + 1) % kSamples;
   p.n = std::min(p.n + 1, kSamples);
   ++k.timed;
-  const bool preferred = ((best_.cma[kind] >> c) & 1u) == (cma ? 1u : 0u);
-  if (preferred) ++k.since_other;
+  const bool on_cma = (best_.cma[kind] >> c) & 1u;
+  if (on_cma == cma) {
+    ++k.since_other;
+  } else if (k.path[on_cma ? 1 : 0].n > 0) {  // a try of the other path: did it confirm?
+    const bool confirmed = k.path[on_cma ? 1 : 0].median() <= p.last();
+    k.every = confirmed ? std::min(k.every * 2, kExploreMost) : kExploreEvery;
+  }
 }
 
 PathPlan PathTuner::next() {
@@ -50,16 +55,20 @@ PathPlan PathTuner::next() {
       Class& k = classes_[kind][c];
       if (k.timed == 0) continue;
       const uint64_t bit = uint64_t{1} << c;
-      const double slots = k.path[0].median(), single = k.path[1].median();
-      if (slots >= 0 && single >= 0) {  // both timed: keep the faster
-        const bool prefer_cma = single < slots;
-        best_.cma[kind] = prefer_cma ? best_.cma[kind] | bit : best_.cma[kind] & ~bit;
+      // Both timed: the other path takes over when its latest try beat the kept one's
+      // median (its older timings may predate a change of regime; a try that was only
+      // lucky costs a few transfers, as the kept path's median then shows it slower).
+      bool on_cma = (best_.cma[kind] & bit) != 0;
+      const Path& kept = k.path[on_cma ? 1 : 0];
+      const Path& tried = k.path[on_cma ? 0 : 1];
+      if (kept.n > 0 && tried.n > 0 && tried.last() < kept.median()) {
+        on_cma = !on_cma;
+        best_.cma[kind] ^= bit;
       }
-      const bool on_cma = (best_.cma[kind] & bit) != 0;
       const Path& other = k.path[on_cma ? 0 : 1];
       // The other path: once the preferred one has two timings (the first is often a
       // cold start), and then every kExploreEvery transfers.
-      const bool due = other.n == 0 ? k.path[on_cma ? 1 : 0].n >= 2 : k.since_other >= kExploreEvery;
+      const bool due = other.n == 0 ? k.path[on_cma ? 1 : 0].n >= 2 : k.since_other >= k.every;
       const bool use_cma = due ? !on_cma : on_cma;
       plan.cma[kind] = use_cma ? plan.cma[kind] | bit : plan.cma[kind] & ~bit;
       if (due) k.since_other = 0;

@@ -7,8 +7,11 @@
 // copies are cheap while both ranks' data sit in one shared cache, single copy pays page
 // pinning per 4 KiB but crosses once; docs/native.md). So local rank 0 times every
 // transfer it runs, by op kind and size class (a power of two), keeps the faster path of
-// each class by the median of its last three timings, and tries the other one every
-// kExploreEvery transfers of that class so that a change of regime is seen.
+// each class by the median of its last three timings, and tries the other one now and
+// then so that a change of regime is seen: after kExploreEvery transfers of that class,
+// twice as many each time the try confirms the choice (up to kExploreMost), and
+// kExploreEvery again once the choice changes. A try of a path twice as slow costs 3 %
+// at first and 0.1 % once the choice has held a few times.
 //
 // Every rank must take the same path for the same op, so rank 0 alone decides, and the
 // decision travels as a PathPlan through the segment (ShmComm: published on entry to an
@@ -32,7 +35,8 @@ class PathTuner {
  public:
   static constexpr int kMinClass = 18;  // from 256 KiB; smaller transfers keep the thresholds
   static constexpr int kClasses = 64;
-  static constexpr int kExploreEvery = 32;  // transfers of a class per try of the other path
+  static constexpr int kExploreEvery = 32;  // transfers of a class per try of the other path...
+  static constexpr int kExploreMost = 1024;  // ...doubling up to this while the choice holds
   static constexpr int kSamples = 3;
 
   static int size_class(size_t bytes);
@@ -63,10 +67,12 @@ class PathTuner {
     int n = 0;      // samples held (up to kSamples)
     int next = 0;   // where the next one goes
     double median() const;
+    double last() const { return n == 0 ? -1 : ns_per_byte[(next + kSamples - 1) % kSamples]; }
   };
   struct Class {
     Path path[2];         // [0]: slots, [1]: single copy
     int since_other = 0;  // transfers on the preferred path since the other was tried
+    int every = kExploreEvery;  // ...and how many of those make it due again
     uint64_t timed = 0;
   };
   Class classes_[kPathKinds][kClasses];
