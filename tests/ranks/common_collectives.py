@@ -832,8 +832,10 @@ def test_single_copy_ops_of_cached_names(carried):
     if data.single_copy_bytes == (0, 0, 0):
         pytest.skip("single-copy transfers (process_vm_readv) are not allowed here")
     hvd.barrier()
-    data._native.set_cma_bytes(1, 1)  # every op below single-copy, at any rank count
-    data._native.set_cma_allreduce_bytes(1)  # (those above what travels in the vote itself)
+    thresholds, tuned = data.single_copy_bytes, data.tuned_paths
+    # every op below single-copy, at any rank count (those above what travels in the vote
+    # itself), not left to the path tuner
+    data.set_single_copy((1, 1, 1))
     engine.agreement.native.set_vote_carries(carried)
     try:
         results = []
@@ -872,8 +874,7 @@ def test_single_copy_ops_of_cached_names(carried):
     finally:
         hvd.barrier()
         engine.agreement.native.set_vote_carries(True)
-        data._native.set_cma_bytes(*data.single_copy_bytes[:2])
-        data._native.set_cma_allreduce_bytes(data.single_copy_bytes[2])
+        data.set_single_copy(thresholds, tuned)
 
 
 def test_allgather_and_broadcast_calls_the_cached_plan_does_not_cover():

@@ -599,8 +599,7 @@ def test_a_much_slower_path_is_left_for_the_faster_one(monkeypatch):
     monkeypatch.setenv("NBDIST_SHM_YIELDS", "0")
     t = _tuned_transport(slot_bytes=4096)
     try:
-        t._native.set_cma_allreduce_bytes(64 << 20)  # start on the slow path
-        t._native.set_path_tuning(True, True, True)
+        t.set_single_copy(t.single_copy_bytes[:2] + (64 << 20,), t.tuned_paths)  # start on the slow path
         buf = np.zeros(1 << 20, np.float32)
         for _ in range(12):
             buf[:] = RANK + 1

@@ -32,6 +32,7 @@ def _env_int(name: str, default: int) -> int:
     return env_int(name.removeprefix("NBDIST_"), default)
 
 
+PATH_KINDS = ("broadcast", "allgather", "allreduce")  # the native path plan's order
 YAMA_PTRACE_SCOPE = "/proc/sys/kernel/yama/ptrace_scope"
 _PR_SET_PTRACER = 0x59616D61  # prctl option "Yama"
 _PR_SET_PTRACER_ANY = 2**64 - 1  # (unsigned long)-1
@@ -143,26 +144,34 @@ class ShmTransport(Transport):
                               else (4 * MiB if oversubscribed else 2 * MiB))
         # (broadcast, allgather, allreduce) bytes from which this transport moves them
         # single-copy
-        self.single_copy_bytes = (0, 0, 0)
+        self.single_copy_bytes: tuple[int, ...] = (0, 0, 0)
         self.peer_reads = "not tried"  # allow_peer_reads's answer, once single copy is tried
         self.single_copy_off = ""  # why single copy was asked for and could not be had
         self.tuned_paths: tuple[str, ...] = ()  # kinds whose path is chosen by measurement
         if single_copy and (cma_bytes or cma_gather or cma_reduce) and self._cma_works():
-            self.single_copy_bytes = (cma_bytes, cma_gather, cma_reduce)
-            self._native.set_cma_bytes(cma_bytes, cma_gather)
-            self._native.set_cma_allreduce_bytes(cma_reduce)
             # Which path is faster from 256 KiB moves with the memory system's state, even
             # on one machine (docs/native.md, "Paths chosen by measurement"): local rank 0
             # times both and every allreduce carries its choice to all ranks. A threshold
             # set in the environment is the user's choice and stays fixed.
+            tuned: tuple[str, ...] = ()
             if _env_int("NBDIST_SHM_TUNE_PATHS", 1):
-                fixed = {name for name in ("NBDIST_SHM_CMA_BYTES", "NBDIST_SHM_CMA_ALLGATHER_BYTES",
-                                           "NBDIST_SHM_CMA_ALLREDUCE_BYTES") if name in os.environ}
-                tune = {"broadcast": "NBDIST_SHM_CMA_BYTES" not in fixed,
-                        "allgather": not fixed & {"NBDIST_SHM_CMA_BYTES", "NBDIST_SHM_CMA_ALLGATHER_BYTES"},
-                        "allreduce": not fixed & {"NBDIST_SHM_CMA_BYTES", "NBDIST_SHM_CMA_ALLREDUCE_BYTES"}}
-                self._native.set_path_tuning(**{k: bool(v) for k, v in tune.items()})
-                self.tuned_paths = tuple(k for k, v in tune.items() if v)
+                given = {name.removeprefix("NBDIST_SHM_CMA_") for name in os.environ
+                         if name.startswith("NBDIST_SHM_CMA_")}
+                tuned = tuple(kind for kind, names in (("broadcast", {"BYTES"}),
+                                                       ("allgather", {"BYTES", "ALLGATHER_BYTES"}),
+                                                       ("allreduce", {"BYTES", "ALLREDUCE_BYTES"}))
+                              if not given & names)
+            self.set_single_copy((cma_bytes, cma_gather, cma_reduce), tuned)
+
+    def set_single_copy(self, thresholds: tuple[int, int, int], tuned: Sequence[str] = ()) -> None:
+        """From how many bytes (broadcast, allgather, allreduce) go single-copy (0: never),
+        and the kinds whose path local rank 0 chooses by measurement from 256 KiB, starting
+        from those thresholds. Collective: every rank at the same point, no op in flight."""
+        self.single_copy_bytes = tuple(thresholds)
+        self.tuned_paths = tuple(k for k in PATH_KINDS if k in tuned)
+        self._native.set_cma_bytes(thresholds[0], thresholds[1])
+        self._native.set_cma_allreduce_bytes(thresholds[2])
+        self._native.set_path_tuning(*(k in self.tuned_paths for k in PATH_KINDS))
 
     def _cma_works(self) -> bool:
         """Whether every rank can read its neighbour's memory (process_vm_readv); collective.
