@@ -251,10 +251,10 @@ void bind_shm(py::module_& m) {
              const nbdist::ShmComm& c = s.comm();
              const nbdist::PathPlan& p = c.path_plan();
              return py::make_tuple(p.cma[nbdist::kPathBroadcast], p.cma[nbdist::kPathAllgather],
-                                   p.cma[nbdist::kPathAllreduce], c.planned_allreduces());
+                                   p.cma[nbdist::kPathAllreduce], c.plans_carried());
            },
            "The plan in force: (broadcast, allgather, allreduce) bit masks, where bit c sends "
-           "[2^c, 2^(c+1)) bytes single-copy, and the allreduces that carried a plan so far.")
+           "[2^c, 2^(c+1)) bytes single-copy, and the ops (allreduces, allgathers) that carried a plan so far.")
       .def("path_timings",
            [](PyShm& s) {
              const nbdist::ShmComm& c = s.comm();

@@ -200,13 +200,13 @@ void ShmComm::allreduce_pieces(const std::vector<Piece>& pieces, int dtype, int 
 }
 
 void ShmComm::plan_publish() {
-  if (tuning_any_ && n_ > 1 && rank_ == 0) hdr_->plans[allreduces_ % 2] = tuner_.next();
+  if (tuning_any_ && n_ > 1 && rank_ == 0) hdr_->plans[plans_carried_ % 2] = tuner_.next();
 }
 
 void ShmComm::plan_adopt() {
   if (!tuning_any_ || n_ <= 1) return;
-  plan_ = hdr_->plans[allreduces_ % 2];
-  ++allreduces_;
+  plan_ = hdr_->plans[plans_carried_ % 2];
+  ++plans_carried_;
 }
 
 void ShmComm::plan_note(PathKind kind, size_t bytes, bool cma, std::chrono::steady_clock::time_point t0) {
@@ -224,7 +224,7 @@ void ShmComm::set_path_tuning(bool broadcast, bool allgather, bool allreduce) {
   initial_plan_.cma[kPathAllgather] = PathTuner::plan_bits(cma_gather_bytes_);
   initial_plan_.cma[kPathAllreduce] = PathTuner::plan_bits(cma_reduce_bytes_);
   plan_ = initial_plan_;
-  allreduces_ = 0;
+  plans_carried_ = 0;
   tuner_.start(initial_plan_);
 }
 
@@ -404,6 +404,7 @@ bool ShmComm::vote_allgatherv(int32_t* vec, size_t words, const void* send_, voi
   char* const own = recv + displ[rank_];
   const uintptr_t address = reinterpret_cast<uintptr_t>(send);
   poll_as(ctx, data.spin_iters_, data.yield_iters_);
+  data.plan_publish();  // (before this rank's vote posts: see plan_publish)
   // The peers' parts first, then the own part while the slower peers still read from this
   // rank (they wait for none of it; copied before the vote, it would hold up their reads).
   std::chrono::steady_clock::time_point t0;  // once the vote is through: the transfer's time
@@ -415,7 +416,10 @@ bool ShmComm::vote_allgatherv(int32_t* vec, size_t words, const void* send_, voi
                    }, true, ctx, [&]() {
                      if (mine && send != own) copy_own(own, send, mine);
                    });
-  if (ran) data.plan_note(kPathAllgather, displ.back() + static_cast<size_t>(byte_counts.back()), true, t0);
+  if (ran) {  // an allgather every rank ran: it carries the plan (not run, the data op will)
+    data.plan_note(kPathAllgather, displ.back() + static_cast<size_t>(byte_counts.back()), true, t0);
+    data.plan_adopt();
+  }
   return ran;
 }
 
@@ -665,14 +669,15 @@ void ShmComm::allgatherv(const void* send_, void* recv_, const std::vector<int64
   const char* send = static_cast<const char*>(send_);
   char* recv = static_cast<char*>(recv_);
   const bool single = wants_cma_allgatherv(byte_counts);
+  const size_t total = static_cast<size_t>(std::accumulate(byte_counts.begin(), byte_counts.end(), int64_t{0}));
+  if (total) plan_publish();  // (an empty one syncs nothing, so it cannot carry a plan)
   const auto t0 = std::chrono::steady_clock::now();
   if (single)
     allgatherv_cma(send, recv, byte_counts, ctx);
   else
     allgatherv_slots(send, recv, byte_counts, ctx);
-  plan_note(kPathAllgather,
-            static_cast<size_t>(std::accumulate(byte_counts.begin(), byte_counts.end(), int64_t{0})), single,
-            t0);
+  plan_note(kPathAllgather, total, single, t0);
+  if (total) plan_adopt();
 }
 
 void ShmComm::allgatherv_slots(const char* send, char* recv, const std::vector<int64_t>& byte_counts,

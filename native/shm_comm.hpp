@@ -182,9 +182,9 @@ class ShmComm {
   // on every rank, before the first op.
   void set_path_tuning(bool broadcast, bool allgather, bool allreduce);
   bool path_tuning(PathKind kind) const { return tuning_[kind]; }
-  // The plan in force, and how many allreduces have carried one.
+  // The plan in force, and how many ops (allreduces, allgathers) have carried one.
   const PathPlan& path_plan() const { return plan_; }
-  uint64_t planned_allreduces() const { return allreduces_; }
+  uint64_t plans_carried() const { return plans_carried_; }
   // Local rank 0's timings (other ranks time nothing).
   const PathTuner& path_tuner() const { return tuner_; }
 
@@ -285,13 +285,14 @@ class ShmComm {
   // process_vm_readv calls as the iovec limit allows.
   void read_peer_runs(int q, const std::vector<struct iovec>& local,
                       const std::vector<struct iovec>& remote, WaitContext& ctx);
-  // The plan's way from rank 0 to every rank: on entry to an allreduce (before its first
-  // post), rank 0 writes its tuner's next plan into plans[n % 2] of the header (n: the
-  // allreduces so far, the same count on every rank); on the way out, once every rank has
-  // seen rank 0's posts of this op, each takes plans[n % 2] as its plan. Rank 0 cannot
-  // write that entry again before every rank has left this op (it would have to finish
-  // the next allreduce, which needs them all). Only allreduces carry it: in every other op
-  // some rank may not wait for rank 0 at all (a broadcast from another root).
+  // The plan's way from rank 0 to every rank: on entry to an allreduce or an allgather
+  // that moves bytes (before its first post), rank 0 writes its tuner's next plan into
+  // plans[n % 2] of the header (n: such ops so far, the same count on every rank); on the
+  // way out, once every rank has seen rank 0's posts of this op, each takes plans[n % 2]
+  // as its plan. Rank 0 cannot write that entry again before every rank has left this op
+  // (it would have to finish the next such op, where it waits for them all). No other op
+  // carries it: in those some rank may not wait for rank 0 at all (a broadcast from
+  // another root).
   void plan_publish();
   void plan_adopt();
   // Rank 0, path tuning on for `kind`: a transfer that started at `t0` is done.
@@ -336,7 +337,7 @@ class ShmComm {
   bool tuning_any_ = false;
   PathPlan initial_plan_{};  // from the thresholds
   PathPlan plan_{};          // in force (every rank)
-  uint64_t allreduces_ = 0;  // allreduces that carried a plan
+  uint64_t plans_carried_ = 0;  // allreduces and allgathers that carried a plan (every rank alike)
   PathTuner tuner_;          // local rank 0's
   bool vote_carries_ = true;
   std::atomic<uint64_t> doorbell_{0};  // ring() count (this process only)

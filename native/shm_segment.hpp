@@ -50,8 +50,9 @@ struct Header {
   alignas(128) AbortState abort;
   alignas(128) std::atomic<uint32_t> wake_word;  // futex: bumped to wake sleepers
   std::atomic<uint32_t> sleepers;                // waiters that may be in FUTEX_WAIT
-  // Local rank 0's path plans (path_tuner.hpp), two in turn: the n-th allreduce publishes
-  // plans[n % 2] on entry and every rank takes it on its way out (ShmComm::plan_publish).
+  // Local rank 0's path plans (path_tuner.hpp), two in turn: the n-th allreduce or
+  // allgather publishes plans[n % 2] on entry and every rank takes it on its way out
+  // (ShmComm::plan_publish).
   alignas(128) PathPlan plans[2];
   alignas(128) RankState ranks[1];               // nranks entries (flexible)
 };

@@ -136,7 +136,7 @@ void ShmComm::reset_local() {
   // Path tuning starts again from the thresholds on every rank (the count of allreduces
   // that carried a plan restarts with it, so both stay alike across ranks).
   plan_ = initial_plan_;
-  allreduces_ = 0;
+  plans_carried_ = 0;
   tuner_.start(initial_plan_);
 }
 
