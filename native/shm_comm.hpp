@@ -156,11 +156,11 @@ class ShmComm {
                       const std::function<bool(const int32_t*)>& may_run, ShmComm& data,
                       WaitContext& ctx);
   // Whether an allreduce of `bytes` goes single-copy (vote_allreduce, allreduce_cma): by
-  // size alone, so every rank decides alike.
+  // size and the plan in force (single_copy), so every rank decides alike.
   bool cma_reduces(size_t bytes) const { return single_copy(kPathAllreduce, bytes, cma_reduce_bytes_); }
   // The pieces as the single-copy reduction reads them: a piece whose src partly overlaps
   // its dst (no API path passes one; in place is fine) is read from a copy kept in
-  // `copies`, so that whether an allreduce goes single-copy stays a matter of sizes.
+  // `copies`, so that whether an allreduce goes single-copy stays the same on every rank.
   static std::vector<Piece> readable_pieces(const std::vector<Piece>& given, size_t item,
                                             std::vector<std::vector<char>>& copies);
   // Whether this comm moves an allgatherv of these counts, or a broadcast of `bytes`, by CMA.
@@ -177,11 +177,11 @@ class ShmComm {
   }
 
   // Path tuning (path_tuner.hpp), per kind, from the thresholds set before (set_cma_bytes,
-  // set_cma_allreduce_bytes): local rank 0 times its transfers, and each allreduce carries
-  // its latest plan to every rank. Off for a kind, its threshold alone decides. The same
-  // on every rank, before the first op.
+  // set_cma_allreduce_bytes): local rank 0 times its transfers, and each allreduce and
+  // allgather carries its latest plan to every rank (plan_publish). Off for a kind, its
+  // threshold alone decides. The same on every rank, with no op in flight; it starts the
+  // tuning afresh.
   void set_path_tuning(bool broadcast, bool allgather, bool allreduce);
-  bool path_tuning(PathKind kind) const { return tuning_[kind]; }
   // The plan in force, and how many ops (allreduces, allgathers) have carried one.
   const PathPlan& path_plan() const { return plan_; }
   uint64_t plans_carried() const { return plans_carried_; }

@@ -105,6 +105,16 @@ def test_options_and_horovod_aliases(monkeypatch):
     monkeypatch.setenv("NBDIST_AUTOTUNE", "maybe")
     with pytest.raises(ValueError, match="NBDIST_AUTOTUNE='maybe': expected 1 or 0"):
         Config.from_environment()
+    monkeypatch.delenv("NBDIST_AUTOTUNE")
+    monkeypatch.delenv("HOROVOD_AUTOTUNE")
+    # sizes in bytes also as nbdist prints them
+    monkeypatch.setenv("NBDIST_FUSION_THRESHOLD", "16M")
+    monkeypatch.setenv("NBDIST_BUCKET_BYTES", "1.5 MiB")
+    config = Config.from_environment()
+    assert config.fusion_threshold == 16 << 20 and config.bucket_bytes == 1536 << 10
+    monkeypatch.setenv("NBDIST_BUCKET_BYTES", "lots")
+    with pytest.raises(ValueError, match=r"NBDIST_BUCKET_BYTES='lots' is not a size in bytes \(e.g. 4096"):
+        Config.from_environment()
 
 
 def test_uninitialized_calls_say_so():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields
 
-from .sizes import MiB
+from .sizes import MiB, parse_bytes
 
 
 def _env(name: str, horovod_name: str | None = None) -> str | None:
@@ -26,6 +26,19 @@ def _number(name: str, default: float, horovod_name: str | None = None, cast=flo
         return cast(raw)
     except ValueError:
         raise ValueError(f"environment variable NBDIST_{name}={raw!r} is not a number") from None
+
+
+def _bytes(name: str, default: int, horovod_name: str | None = None) -> int:
+    """NBDIST_<name> as a size in bytes: 4096, or with a unit as nbdist prints sizes (64K,
+    1.5M, 2GiB); Horovod's names take plain bytes, which this reads alike."""
+    raw = _env(name, horovod_name)
+    if raw is None:
+        return default
+    try:
+        return parse_bytes(raw)
+    except ValueError:
+        raise ValueError(f"environment variable NBDIST_{name}={raw!r} is not a size in bytes "
+                         "(e.g. 4096, 64K, 1.5M)") from None
 
 
 def _flag(name: str) -> bool:
@@ -75,12 +88,11 @@ class Config:
             raise ValueError(
                 f"NBDIST_CPU_OPERATIONS={cpu_ops!r}: expected one of auto, mpi, shm, hierarchical")
         config = cls(
-            fusion_threshold=int(_number("FUSION_THRESHOLD", 64 * MiB, cast=int)),
-            bucket_bytes=int(_number("BUCKET_BYTES", 25 * MiB, "NBDIST_BUCKET_BYTES", cast=int)),
+            fusion_threshold=_bytes("FUSION_THRESHOLD", 64 * MiB),
+            bucket_bytes=_bytes("BUCKET_BYTES", 25 * MiB, "NBDIST_BUCKET_BYTES"),
             cycle_time_ms=_number("CYCLE_TIME", 1.0),
             cache_capacity=int(_number("CACHE_CAPACITY", 1024, cast=int)),
-            async_express_bytes=int(_number("ASYNC_EXPRESS_BYTES", 64 * 1024,
-                                            "NBDIST_ASYNC_EXPRESS_BYTES", cast=int)),
+            async_express_bytes=_bytes("ASYNC_EXPRESS_BYTES", 64 * 1024, "NBDIST_ASYNC_EXPRESS_BYTES"),
             stall_warning_s=_number("STALL_WARNING_S", 60.0, "HOROVOD_STALL_CHECK_TIME_SECONDS"),
             timeout_s=_number("TIMEOUT_S", 600.0, "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"),
             cpu_operations=cpu_ops,
@@ -117,6 +129,11 @@ def env_int(name: str, default: int) -> int:
         return int(raw) if raw is not None else default
     except ValueError:
         raise ValueError(f"environment variable NBDIST_{name}={raw!r} is not an integer") from None
+
+
+def env_bytes(name: str, default: int) -> int:
+    """NBDIST_<name> as a size in bytes (the transports' *_BYTES knobs): 4096, 64K, 1.5M."""
+    return _bytes(name, default, horovod_name="NBDIST_" + name)
 
 
 def env_seconds(name: str, default: float) -> float:

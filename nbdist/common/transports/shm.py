@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..config import env_int
+from ..config import env_bytes, env_int
 from ..transport import Transport, TransportError
 from ..sizes import MiB
 from ._dtypes import dtype_code, op_code
@@ -30,6 +30,10 @@ def native_module():
 
 def _env_int(name: str, default: int) -> int:
     return env_int(name.removeprefix("NBDIST_"), default)
+
+
+def _env_bytes(name: str, default: int) -> int:
+    return env_bytes(name.removeprefix("NBDIST_"), default)
 
 
 PATH_KINDS = ("broadcast", "allgather", "allreduce")  # the native path plan's order
@@ -111,15 +115,15 @@ class ShmTransport(Transport):
         oversubscribed = self.size > _cpus()
         # Ranks that time-share cores pay a context switch per synchronisation, so
         # they move bigger chunks (fewer steps); otherwise 1 MiB keeps steps in cache.
-        slot_bytes = slot_bytes or _env_int("NBDIST_SHM_SLOT_BYTES", (4 if oversubscribed else 1) * MiB)
+        slot_bytes = slot_bytes or _env_bytes("NBDIST_SHM_SLOT_BYTES", (4 if oversubscribed else 1) * MiB)
         slot_bytes = max(4096, (slot_bytes + 4095) // 4096 * 4096)
         nsets = nsets or _env_int("NBDIST_SHM_SETS", 2)
         self._native = self._open(native, slot_bytes, nsets)
         # Spinning only pays when every rank has a core; otherwise yield soon.
         spin = _env_int("NBDIST_SHM_SPIN", 100 if oversubscribed else 1000)
         yields = _env_int("NBDIST_SHM_YIELDS", 50 if oversubscribed else 200)
-        self._native.set_tuning(spin, yields, _env_int("NBDIST_SHM_SMALL_BYTES", 64 * 1024),
-                                _env_int("NBDIST_SHM_STREAM_BYTES", 0))
+        self._native.set_tuning(spin, yields, _env_bytes("NBDIST_SHM_SMALL_BYTES", 64 * 1024),
+                                _env_bytes("NBDIST_SHM_STREAM_BYTES", 0))
         # Single copy (process_vm_readv) or two through the cache-warm slots, measured side
         # by side on the path users call, where every op follows its agreement vote
         # (benchmarks/cma_threshold.py, docs/native.md): at one rank per core single copy
@@ -129,9 +133,9 @@ class ShmTransport(Transport):
         # transport calls favours the slots (a slot broadcast's root runs into the next
         # call while the peers still read), which is not how the engine calls them.
         # NBDIST_SHM_CMA_BYTES alone sets all three (with the allreduce's, below).
-        cma_given = _env_int("NBDIST_SHM_CMA_BYTES", -1)
+        cma_given = _env_bytes("NBDIST_SHM_CMA_BYTES", -1)
         cma_bytes = cma_given if cma_given >= 0 else (MiB if oversubscribed else 16 * 1024)
-        cma_gather = _env_int("NBDIST_SHM_CMA_ALLGATHER_BYTES",
+        cma_gather = _env_bytes("NBDIST_SHM_CMA_ALLGATHER_BYTES",
                               cma_given if cma_given >= 0
                               else (256 * 1024 if oversubscribed else 16 * 1024))
         # An allreduce goes single-copy from the same size whether the agreement's vote
@@ -139,7 +143,7 @@ class ShmTransport(Transport):
         # (allreduce_cma: fused units, raw calls). Below a few MiB the slots win
         # (cache-warm, no page pinning): crossovers measured through the API at 2 MiB
         # (2 ranks) and 4 MiB (4 ranks on 2 cores), for both.
-        cma_reduce = _env_int("NBDIST_SHM_CMA_ALLREDUCE_BYTES",
+        cma_reduce = _env_bytes("NBDIST_SHM_CMA_ALLREDUCE_BYTES",
                               cma_given if cma_given >= 0
                               else (4 * MiB if oversubscribed else 2 * MiB))
         # (broadcast, allgather, allreduce) bytes from which this transport moves them
