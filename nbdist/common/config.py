@@ -18,27 +18,22 @@ def _env(name: str, horovod_name: str | None = None) -> str | None:
     return value if value not in ("",) else None
 
 
-def _number(name: str, default: float, horovod_name: str | None = None, cast=float):
+def _number(name: str, default: float, horovod_name: str | None = None, cast=float,
+            what: str = "a number"):
     raw = _env(name, horovod_name)
     if raw is None:
         return default
     try:
         return cast(raw)
     except ValueError:
-        raise ValueError(f"environment variable NBDIST_{name}={raw!r} is not a number") from None
+        raise ValueError(f"environment variable NBDIST_{name}={raw!r} is not {what}") from None
 
 
 def _bytes(name: str, default: int, horovod_name: str | None = None) -> int:
     """NBDIST_<name> as a size in bytes: 4096, or with a unit as nbdist prints sizes (64K,
     1.5M, 2GiB); Horovod's names take plain bytes, which this reads alike."""
-    raw = _env(name, horovod_name)
-    if raw is None:
-        return default
-    try:
-        return parse_bytes(raw)
-    except ValueError:
-        raise ValueError(f"environment variable NBDIST_{name}={raw!r} is not a size in bytes "
-                         "(e.g. 4096, 64K, 1.5M)") from None
+    return int(_number(name, default, horovod_name, cast=parse_bytes,
+                       what="a size in bytes (e.g. 4096, 64K, 1.5M)"))
 
 
 def _flag(name: str) -> bool:
