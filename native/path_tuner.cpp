@@ -32,7 +32,7 @@ void PathTuner::start(const PathPlan& best) {
 
 void PathTuner::record(PathKind kind, size_t bytes, bool cma, double ns) {
   const int c = size_class(bytes);
-  if (c < kMinClass || bytes == 0) return;
+  if (c < kMinClass) return;
   Class& k = classes_[kind][c];
   Path& p = k.path[cma ? 1 : 0];
   p.ns_per_byte[p.next] = ns / static_cast<double>(bytes);

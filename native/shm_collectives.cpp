@@ -200,11 +200,11 @@ void ShmComm::allreduce_pieces(const std::vector<Piece>& pieces, int dtype, int 
 }
 
 void ShmComm::plan_publish() {
-  if (tuning_any_ && n_ > 1 && rank_ == 0) hdr_->plans[plans_carried_ % 2] = tuner_.next();
+  if (tuning_any() && n_ > 1 && rank_ == 0) hdr_->plans[plans_carried_ % 2] = tuner_.next();
 }
 
 void ShmComm::plan_adopt() {
-  if (!tuning_any_ || n_ <= 1) return;
+  if (!tuning_any() || n_ <= 1) return;
   plan_ = hdr_->plans[plans_carried_ % 2];
   ++plans_carried_;
 }
@@ -219,7 +219,6 @@ void ShmComm::set_path_tuning(bool broadcast, bool allgather, bool allreduce) {
   tuning_[kPathBroadcast] = broadcast;
   tuning_[kPathAllgather] = allgather;
   tuning_[kPathAllreduce] = allreduce;
-  tuning_any_ = broadcast || allgather || allreduce;
   initial_plan_.cma[kPathBroadcast] = PathTuner::plan_bits(cma_bytes_);
   initial_plan_.cma[kPathAllgather] = PathTuner::plan_bits(cma_gather_bytes_);
   initial_plan_.cma[kPathAllreduce] = PathTuner::plan_bits(cma_reduce_bytes_);
@@ -497,14 +496,10 @@ void ShmComm::reduce_cma(const std::vector<Piece>& pieces, int dtype, ReduceFn f
     const auto [qlo, qhi] = slices.of(q);
     const size_t qsteps = (qhi - qlo + step - 1) / step;
     while (copied[q] < qsteps) {
-      const uint64_t phase = base + copied[q] + 1;
-      if (wait) {
-        wait_rank(q, phase, ctx);
-      } else if (!posted(q, phase)) {
-        return;
-      }
-      size_t from_step = copied[q];  // and every later step it has posted since
+      if (wait) wait_rank(q, base + copied[q] + 1, ctx);
+      const size_t from_step = copied[q];  // the next step, and every later one posted since
       while (copied[q] < qsteps && posted(q, base + copied[q] + 1)) ++copied[q];
+      if (copied[q] == from_step) return;  // (not waiting: q has not posted its next step)
       local.clear();
       remote.clear();
       unit.spans(qlo + from_step * step, std::min(qhi, qlo + copied[q] * step),
@@ -668,8 +663,8 @@ void ShmComm::allgatherv(const void* send_, void* recv_, const std::vector<int64
   check_not_aborted(ctx);
   const char* send = static_cast<const char*>(send_);
   char* recv = static_cast<char*>(recv_);
-  const bool single = wants_cma_allgatherv(byte_counts);
   const size_t total = static_cast<size_t>(std::accumulate(byte_counts.begin(), byte_counts.end(), int64_t{0}));
+  const bool single = single_copy(kPathAllgather, total, cma_gather_bytes_);  // (wants_cma_allgatherv)
   if (total) plan_publish();  // (an empty one syncs nothing, so it cannot carry a plan)
   const auto t0 = std::chrono::steady_clock::now();
   if (single)

@@ -295,6 +295,7 @@ class ShmComm {
   // another root).
   void plan_publish();
   void plan_adopt();
+  bool tuning_any() const { return tuning_[0] || tuning_[1] || tuning_[2]; }
   // Rank 0, path tuning on for `kind`: a transfer that started at `t0` is done.
   void plan_note(PathKind kind, size_t bytes, bool cma, std::chrono::steady_clock::time_point t0);
   // Single-copy allreduce of a unit with syncs of its own: each rank's (src, dst) per
@@ -334,7 +335,6 @@ class ShmComm {
   size_t cma_reduce_bytes_ = 0;  // allreduce
   std::vector<char> cma_scratch_;  // reduce_cma's peer pieces
   bool tuning_[kPathKinds] = {false, false, false};
-  bool tuning_any_ = false;
   PathPlan initial_plan_{};  // from the thresholds
   PathPlan plan_{};          // in force (every rank)
   uint64_t plans_carried_ = 0;  // allreduces and allgathers that carried a plan (every rank alike)
