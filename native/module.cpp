@@ -286,6 +286,11 @@ void bind_shm(py::module_& m) {
            "True when a peer has started an op on the segment that this rank has not.")
       .def("ring", [](PyShm& s) { s.comm().ring(); },
            "Wake this process's wait_activity (any thread).")
+      .def("ring_soon", [](PyShm& s) { s.comm().ring_soon(); },
+           "ring(), for an op this thread will likely drive in a moment: wait_activity "
+           "leaves it to a thread that holds the watch within a few yields.")
+      .def("clear_absorbed", [](PyShm& s) { s.comm().clear_absorbed(); },
+           "The holder of the watch took the queue: a ring_soon() left to it is answered.")
       .def("wait_activity", [](PyShm& s, double timeout_s) { return s.comm().wait_activity(timeout_s); },
            py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>(),
            "Sleep until a peer starts an op, ring(), an abort, or the timeout: 1, 2, 3 or 0.")

@@ -196,13 +196,20 @@ class ShmComm {
   int wait_activity(double timeout_s);
   // Wakes this process's wait_activity (any thread; a futex wake only if it sleeps).
   void ring();
+  // ring() for an op the ringing thread will likely drive itself in a moment (an async
+  // submit, then its synchronize): wait_activity, woken, first yields a few times for a
+  // thread of this process to hold the watch, and returns 2 only if none does
+  // (SOFT_RING_YIELDS, shm_wait.cpp). A ring it leaves to the holder is rung again
+  // when the holder lets go, unless the holder took the queue since (clear_absorbed).
+  void ring_soon();
+  void clear_absorbed() { absorbed_.store(0, std::memory_order_seq_cst); }
   // While another thread of this process runs the agreement's cycles itself (it joins
   // peers' cycles), wait_activity stops watching the peers: it does not count as a
   // sleeper on the shared wake word, so the peers' every step does not wake it (a
   // futex wake and a context switch each, on cores the ranks need), and it looks
   // again after 1 ms, backing off to 16 ms while the watch stays held
   // (HELD_RECHECK_NS, shm_wait.cpp). ring() and an abort still end its wait.
-  void hold_activity(bool on) { held_.store(on ? 1 : 0, std::memory_order_seq_cst); }
+  void hold_activity(bool on);
   // The agreement's "I have ops queued" word (the scratch word; its segment runs no
   // collective that uses scratch): publish this rank's, and ask whether every peer's
   // is non-zero. seq_cst on both sides: of two ranks publishing at once, at least one
@@ -345,6 +352,9 @@ class ShmComm {
   std::atomic<int> held_{0};           // hold_activity(true): another thread watches peers
   std::atomic<uint32_t> held_word_{0};  // wait_activity's futex word while held (ring's)
   uint64_t doorbell_seen_ = 0;         // the count wait_activity last returned on
+  std::atomic<uint64_t> hard_rings_{0};  // ring() count (not ring_soon())
+  uint64_t hard_rings_seen_ = 0;
+  std::atomic<int> absorbed_{0};  // a ring_soon() left to the holder of the watch
 };
 
 }  // namespace nbdist

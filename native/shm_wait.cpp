@@ -31,6 +31,15 @@ namespace {
 constexpr long HELD_RECHECK_NS = 1000000L;       // 1 ms
 constexpr long HELD_RECHECK_MAX_NS = 16000000L;  // 16 ms
 
+// How many times wait_activity, woken by ring_soon() (an async op's submit), yields for a
+// thread of this process to start driving that op (hold_activity: its synchronize, which
+// most code calls right after) before it takes the op itself. Taking it at once made the
+// two threads contend for the GIL and the agreement's lock: `engine_overhead.py --ops 1
+// --bytes 262144`, 2 ranks, 54-56 us per async op and synchronize against 44-46 with a
+// window of 20 or 100 yields (a synchronous op: 25). A few microseconds when no one
+// drives: the op overlaps with the caller's work as before.
+constexpr int SOFT_RING_YIELDS = 20;
+
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_ia32_pause();
@@ -221,7 +230,17 @@ void ShmComm::wait_for(int who, uint64_t phase, WaitContext& ctx) {
   }
 }
 
+void ShmComm::hold_activity(bool on) {
+  held_.store(on ? 1 : 0, std::memory_order_seq_cst);
+  if (!on && absorbed_.exchange(0, std::memory_order_seq_cst) != 0) ring();
+}
+
 void ShmComm::ring() {
+  hard_rings_.fetch_add(1, std::memory_order_seq_cst);
+  ring_soon();
+}
+
+void ShmComm::ring_soon() {
   doorbell_.fetch_add(1, std::memory_order_seq_cst);
   // Only when this process's own engine thread sleeps: `sleepers` counts every rank's
   // waiters, and a wake-up of the shared word also wakes the peers' threads for nothing
@@ -242,6 +261,21 @@ int ShmComm::wait_activity(double timeout_s) {
     uint64_t rung = doorbell_.load(std::memory_order_seq_cst);
     if (rung != doorbell_seen_) {
       doorbell_seen_ = rung;
+      const uint64_t hard = hard_rings_.load(std::memory_order_seq_cst);
+      if (hard != hard_rings_seen_) {
+        hard_rings_seen_ = hard;
+        return 2;
+      }
+      for (int i = 0; i <= SOFT_RING_YIELDS; ++i) {  // ring_soon() alone
+        if (held_.load(std::memory_order_seq_cst) != 0) {
+          // The holder runs it; if it leaves the watch with the ring unanswered (the
+          // holder's own queue drained before it), hold_activity(false) rings again.
+          absorbed_.store(1, std::memory_order_seq_cst);
+          if (held_.load(std::memory_order_seq_cst) != 0) return 0;
+          break;
+        }
+        if (i < SOFT_RING_YIELDS) sched_yield();
+      }
       return 2;
     }
     if (held_.load(std::memory_order_seq_cst) != 0) return 0;  // the holder joins peers

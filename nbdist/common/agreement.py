@@ -261,6 +261,15 @@ class ShmAgreement:
     def ring(self) -> None:
         self.native.ring()
 
+    def ring_soon(self) -> None:
+        """ring(), for an op this thread will likely drive in a moment (an async submit):
+        the engine thread leaves it to a thread that holds the watch within a few yields."""
+        self.native.ring_soon()
+
+    def clear_absorbed(self) -> None:
+        """The queue is being taken: a ring_soon() left to the watch's holder is answered."""
+        self.native.clear_absorbed()
+
     def hold(self, on: bool) -> None:
         """While on, the engine thread's wait() does not watch the peers (a driver does)."""
         self.native.hold_activity(on)

@@ -237,7 +237,9 @@ class Engine:
                     engines = _blocking.engines = set()
                 engines.add(self)
             else:
-                self.agreement.ring()
+                # (soon: this thread's synchronize, if it comes at once, runs the op itself
+                # and spares the engine thread's wake-up its contention for the GIL)
+                self.agreement.ring_soon()
 
     def wake_if_queued(self) -> None:
         """Hand ops a blocking call left queued (it raised, or did not drive) to the thread."""
@@ -420,6 +422,8 @@ class Engine:
 
     def _drain_locked(self) -> tuple[list, list]:
         """Empty the op and control queues; the caller holds self._cv."""
+        if self.agreement is not None:
+            self.agreement.clear_absorbed()  # (before the take: a later submit rings again)
         new, control = list(self._queue), list(self._control)
         self._queue.clear()
         self._control.clear()

@@ -178,6 +178,47 @@ def test_async_poll_synchronize():
         hvd.synchronize("not a handle")
 
 
+def test_async_ops_nobody_synchronizes_still_run():
+    # An async op above the express size rings the engine thread "soon" (ring_soon): it
+    # leaves the op to a thread that drives it right away. Here none does (poll only), so
+    # the engine thread must run it; and while this thread keeps driving synchronous ops,
+    # an op submitted from a second thread and only waited on must run too (a ring left to
+    # the driver is rung again when the driver lets go).
+    import threading
+
+    big = np.full(128 * 1024, RANK + 1, np.float32)  # 512 KiB: no express as submitted
+    total = sum(r + 1 for r in range(SIZE))
+    for _ in range(5):
+        h = hvd.allreduce_async_(big, op=hvd.Sum, name="soon.poll")
+        deadline = time.monotonic() + 30
+        while not hvd.poll(h):
+            assert time.monotonic() < deadline, "an async op nobody drove did not run"
+            time.sleep(0.0005)
+        np.testing.assert_array_equal(hvd.synchronize(h), np.full(big.shape, total))
+        big[:] = RANK + 1
+    results, errors = [], []
+
+    def submit_and_wait():
+        try:
+            for step in range(20):
+                a = np.full(128 * 1024, RANK + step, np.float32)
+                handle = hvd.allreduce_async_(a, op=hvd.Sum, name="soon.thread")
+                assert handle.wait(30), "an async op of a second thread did not run"
+                results.append(handle.result()[0])
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=submit_and_wait)
+    thread.start()
+    # (as many driving ops on every rank: until no rank's second thread is alive)
+    while hvd.allreduce(np.array([thread.is_alive()], np.int32), op=hvd.Max, name="soon.driver")[0]:
+        pass
+    thread.join()
+    assert not errors, errors
+    assert results == [sum(r + step for r in range(SIZE)) for step in range(20)]
+    hvd.barrier()
+
+
 def test_different_submission_orders():
     names = [f"order.{i}" for i in range(20)]
     order = names if RANK % 2 == 0 else list(reversed(names))
