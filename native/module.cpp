@@ -254,7 +254,7 @@ void bind_shm(py::module_& m) {
                                    p.cma[nbdist::kPathAllreduce], c.plans_carried());
            },
            "The plan in force: (broadcast, allgather, allreduce) bit masks, where bit c sends "
-           "[2^c, 2^(c+1)) bytes single-copy, and the ops (allreduces, allgathers) that carried a plan so far.")
+           "[2^c, 2^(c+1)) bytes single-copy, and the ops (allreduces, allgathers, broadcasts from rank 0) that carried a plan so far.")
       .def("path_timings",
            [](PyShm& s) {
              const nbdist::ShmComm& c = s.comm();

@@ -15,7 +15,8 @@
 //
 // Every rank must take the same path for the same op, so rank 0 alone decides, and the
 // decision travels as a PathPlan through the segment (ShmComm: published on entry to an
-// allreduce or allgather, taken by every rank on its way out; see ShmComm::plan_publish).
+// allreduce, an allgather or a broadcast from rank 0, taken by every rank on its way out;
+// see ShmComm::plan_publish).
 #pragma once
 
 #include <cstddef>

@@ -200,13 +200,19 @@ void ShmComm::allreduce_pieces(const std::vector<Piece>& pieces, int dtype, int 
 }
 
 void ShmComm::plan_publish() {
-  if (tuning_any() && n_ > 1 && rank_ == 0) hdr_->plans[plans_carried_ % 2] = tuner_.next();
+  if (!tuning_any() || n_ <= 1 || rank_ != 0) return;
+  // plans[n % 2] was last written for op n - 2 (n: plans_carried_), and a rank has read
+  // it once it has taken n - 1 plans.
+  for (int r = 1; r < n_; ++r)
+    if (hdr_->ranks[r].plans_taken.load(std::memory_order_acquire) + 1 < plans_carried_) return;
+  hdr_->plans[plans_carried_ % 2] = tuner_.next();
 }
 
 void ShmComm::plan_adopt() {
   if (!tuning_any() || n_ <= 1) return;
   plan_ = hdr_->plans[plans_carried_ % 2];
   ++plans_carried_;
+  hdr_->ranks[rank_].plans_taken.store(plans_carried_, std::memory_order_release);
 }
 
 void ShmComm::plan_note(PathKind kind, size_t bytes, bool cma, std::chrono::steady_clock::time_point t0) {
@@ -223,7 +229,8 @@ void ShmComm::set_path_tuning(bool broadcast, bool allgather, bool allreduce) {
   initial_plan_.cma[kPathAllgather] = PathTuner::plan_bits(cma_gather_bytes_);
   initial_plan_.cma[kPathAllreduce] = PathTuner::plan_bits(cma_reduce_bytes_);
   plan_ = initial_plan_;
-  plans_carried_ = 0;
+  // (plans_carried_ counts on: a rank still finishing a broadcast from rank 0 takes its
+  // plan after this call on rank 0, and plan_publish's guard needs the count to go on)
   tuner_.start(initial_plan_);
 }
 
@@ -430,6 +437,7 @@ bool ShmComm::vote_broadcast(int32_t* vec, size_t words, void* buf_, size_t byte
   const char* src = rank_ == root && src_ != buf_ ? static_cast<const char*>(src_) : nullptr;
   const uintptr_t address = rank_ == root ? reinterpret_cast<uintptr_t>(src ? src : buf) : 0;
   poll_as(ctx, data.spin_iters_, data.yield_iters_);
+  data.plan_publish();  // (before this rank's vote posts: see plan_publish)
   // Only the root waits for the readers (its buffer may change once it returns), making
   // its own result from `src` meanwhile.
   std::chrono::steady_clock::time_point t0;
@@ -440,7 +448,10 @@ bool ShmComm::vote_broadcast(int32_t* vec, size_t words, void* buf_, size_t byte
                    }, rank_ == root, ctx, [&]() {
                      if (src) copy_own(buf, src, bytes);
                    });
-  if (ran) data.plan_note(kPathBroadcast, bytes, true, t0);
+  if (ran) {  // a broadcast every rank ran with the vote: it carries the plan (any root)
+    data.plan_note(kPathBroadcast, bytes, true, t0);
+    data.plan_adopt();
+  }
   return ran;
 }
 
@@ -629,10 +640,15 @@ void ShmComm::broadcast(void* buf_, size_t bytes, int root, WaitContext& ctx, co
     if (src) copy_own(buf, src, bytes);
     return;
   }
+  // From rank 0 every reader waits for rank 0's posts: the broadcast carries the plan.
+  const bool carries = root == 0;
+  if (carries) plan_publish();
   const auto t0 = std::chrono::steady_clock::now();
   if (wants_cma_broadcast(bytes)) {
     broadcast_cma(buf, bytes, root, ctx, src);
-    return plan_note(kPathBroadcast, bytes, true, t0);
+    plan_note(kPathBroadcast, bytes, true, t0);
+    if (carries) plan_adopt();
+    return;
   }
   // (the slots: the root's two copies run while the peers copy out anyway)
   if (src) copy_own(buf, src, bytes);
@@ -655,6 +671,7 @@ void ShmComm::broadcast(void* buf_, size_t bytes, int root, WaitContext& ctx, co
     }
   }
   plan_note(kPathBroadcast, bytes, false, t0);
+  if (carries) plan_adopt();
 }
 
 void ShmComm::allgatherv(const void* send_, void* recv_, const std::vector<int64_t>& byte_counts,

@@ -177,12 +177,13 @@ class ShmComm {
   }
 
   // Path tuning (path_tuner.hpp), per kind, from the thresholds set before (set_cma_bytes,
-  // set_cma_allreduce_bytes): local rank 0 times its transfers, and each allreduce and
-  // allgather carries its latest plan to every rank (plan_publish). Off for a kind, its
+  // set_cma_allreduce_bytes): local rank 0 times its transfers, and each allreduce,
+  // allgather and broadcast from rank 0 carries its latest plan to every rank (plan_publish). Off for a kind, its
   // threshold alone decides. The same on every rank, with no op in flight; it starts the
   // tuning afresh.
   void set_path_tuning(bool broadcast, bool allgather, bool allreduce);
-  // The plan in force, and how many ops (allreduces, allgathers) have carried one.
+  // The plan in force, and how many ops (allreduces, allgathers, broadcasts from rank 0)
+  // have carried one.
   const PathPlan& path_plan() const { return plan_; }
   uint64_t plans_carried() const { return plans_carried_; }
   // Local rank 0's timings (other ranks time nothing).
@@ -292,14 +293,18 @@ class ShmComm {
   // process_vm_readv calls as the iovec limit allows.
   void read_peer_runs(int q, const std::vector<struct iovec>& local,
                       const std::vector<struct iovec>& remote, WaitContext& ctx);
-  // The plan's way from rank 0 to every rank: on entry to an allreduce or an allgather
-  // that moves bytes (before its first post), rank 0 writes its tuner's next plan into
-  // plans[n % 2] of the header (n: such ops so far, the same count on every rank); on the
-  // way out, once every rank has seen rank 0's posts of this op, each takes plans[n % 2]
-  // as its plan. Rank 0 cannot write that entry again before every rank has left this op
-  // (it would have to finish the next such op, where it waits for them all). No other op
-  // carries it: in those some rank may not wait for rank 0 at all (a broadcast from
-  // another root).
+  // The plan's way from rank 0 to every rank: on entry to an op that carries one (before
+  // its first post), rank 0 writes its tuner's next plan into plans[n % 2] of the header
+  // (n: such ops so far, the same count on every rank); on the way out, once it has seen
+  // rank 0's posts of this op, each rank takes plans[n % 2] as its plan and counts it
+  // (plans_taken). Rank 0 writes an entry only once every rank has taken what it last
+  // wrote there; else it leaves the entry as it was, which every rank then takes again.
+  // The ops that carry one are those where every rank waits for rank 0's posts: an
+  // allreduce, an allgather that moves bytes, a broadcast from rank 0, and a vote that
+  // carries one of these (its root any rank: every rank waits for every vote). In a
+  // broadcast from another root, a reader may leave before rank 0 has come at all.
+  // (The guard matters after broadcasts: their root, rank 0, waits for no reader in the
+  // slots, so it can run an op or two ahead; in the other ops it waits for everyone.)
   void plan_publish();
   void plan_adopt();
   bool tuning_any() const { return tuning_[0] || tuning_[1] || tuning_[2]; }

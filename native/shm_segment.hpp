@@ -18,7 +18,7 @@
 namespace nbdist {
 
 constexpr uint64_t kShmMagic = 0x6e62646973747368ull;  // "nbdistsh"
-constexpr uint32_t kShmVersion = 2;  // 2: the path plans
+constexpr uint32_t kShmVersion = 3;  // 2: the path plans; 3: plans taken, per rank
 constexpr int kMaxRanks = 256;
 constexpr size_t kReasonBytes = 480;
 
@@ -28,6 +28,7 @@ struct alignas(128) RankState {
   std::atomic<int64_t> scratch;  // a small value exchanged by some collectives
   int32_t pid;
   int32_t global_rank;
+  std::atomic<uint64_t> plans_taken;  // path plans this rank has taken (ShmComm::plan_adopt)
 };
 
 struct alignas(128) AbortState {
@@ -50,9 +51,9 @@ struct Header {
   alignas(128) AbortState abort;
   alignas(128) std::atomic<uint32_t> wake_word;  // futex: bumped to wake sleepers
   std::atomic<uint32_t> sleepers;                // waiters that may be in FUTEX_WAIT
-  // Local rank 0's path plans (path_tuner.hpp), two in turn: the n-th allreduce or
-  // allgather publishes plans[n % 2] on entry and every rank takes it on its way out
-  // (ShmComm::plan_publish).
+  // Local rank 0's path plans (path_tuner.hpp), two in turn: the n-th op that carries
+  // one (an allreduce, an allgather, a broadcast from rank 0) publishes plans[n % 2] on
+  // entry and every rank takes it on its way out (ShmComm::plan_publish).
   alignas(128) PathPlan plans[2];
   alignas(128) RankState ranks[1];               // nranks entries (flexible)
 };

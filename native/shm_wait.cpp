@@ -132,7 +132,10 @@ void ShmComm::check_not_aborted(const WaitContext& ctx) {
 }
 
 void ShmComm::clear_shared() {
-  for (int r = 0; r < n_; ++r) hdr_->ranks[r].seq.store(0, std::memory_order_relaxed);
+  for (int r = 0; r < n_; ++r) {
+    hdr_->ranks[r].seq.store(0, std::memory_order_relaxed);
+    hdr_->ranks[r].plans_taken.store(0, std::memory_order_relaxed);  // (reset_local: 0 carried)
+  }
   hdr_->abort.reason[0] = '\0';
   hdr_->abort.state.store(0, std::memory_order_seq_cst);
 }

@@ -542,7 +542,7 @@ def _tuned_transport(**kwargs) -> ShmTransport:
 
 def test_paths_chosen_by_measurement_stay_the_same_on_every_rank():
     # Local rank 0 alone times the transfers and picks each size class's path; every
-    # allreduce and allgather carries its latest plan to all ranks. Mixed ops and sizes, ranks arriving
+    # allreduce, allgather and broadcast from rank 0 carries its latest plan to all ranks. Mixed ops and sizes, ranks arriving
     # apart, in and out of place, fused pieces, broadcasts from every root: every result is
     # right (a rank on another path than its peers would hang or garble), every rank ends
     # with the same plan, and rank 0 has timed both paths of the classes it ran.
@@ -611,6 +611,56 @@ def test_a_much_slower_path_is_left_for_the_faster_one(monkeypatch):
         if RANK == 0:
             row = [r for r in t._native.path_timings() if r[:2] == ("allreduce", 4 << 20)][0]
             assert row[5] and 0 < row[4] < row[3], row
+    finally:
+        t.close()
+
+
+def test_broadcasts_from_rank_0_alone_carry_the_plan(monkeypatch):
+    # A program of broadcasts alone is tuned too: in a broadcast from rank 0 every reader
+    # waits for rank 0's posts, so it carries rank 0's plan as an allreduce does. The
+    # much slower path is left; broadcasts from other roots in between carry none, and
+    # every rank ends with the same plan.
+    monkeypatch.setenv("NBDIST_SHM_SPIN", "0")
+    monkeypatch.setenv("NBDIST_SHM_YIELDS", "0")
+    t = _tuned_transport(slot_bytes=4096)
+    try:
+        t.set_single_copy((64 << 20,) + t.single_copy_bytes[1:], t.tuned_paths)  # start on the slots
+        carried = t._native.path_plan()[3]
+        buf = np.zeros(1 << 20, np.float32)
+        roots = [0 if i % 4 else (i // 4) % SIZE for i in range(16)]
+        for i, root in enumerate(roots):
+            buf[:] = RANK + i
+            t.broadcast(buf, root)
+            same(buf, np.full(1 << 20, root + i, np.float32))
+        plans = COMM.allgather(t._native.path_plan())
+        assert all(p == plans[0] for p in plans), plans
+        assert plans[0][0] >> 22 & 1, f"4 MiB broadcasts still go through the slots: {plans[0]}"
+        assert plans[0][3] - carried == roots.count(0)
+    finally:
+        t.close()
+
+
+def test_rank_0_running_ahead_in_broadcasts_leaves_every_rank_the_same_plan():
+    # In the slots a broadcast's root waits for no reader: rank 0 can finish a broadcast
+    # (and start the next) before a slow reader has taken the plan the last one carried.
+    # It then leaves that plan's entry as it was (plans_taken), so every rank takes the same
+    # plans in the same order: results stay right through the tuner's tries, readers late
+    # by turns.
+    t = _tuned_transport()
+    try:
+        rng = np.random.default_rng(11)  # the same sequence on every rank
+        for i in range(150):
+            nbytes = int(rng.choice([300_000, 700_000, 1_500_000]))
+            late = rng.random() < 0.3  # (drawn on every rank: the sequence stays the same)
+            if RANK and late:
+                time.sleep(0.001 * (1 + (RANK + i) % SIZE))
+            data = np.full(nbytes, i % 251, np.uint8)
+            buf = data.copy() if RANK == 0 else np.zeros(nbytes, np.uint8)
+            t.broadcast(buf, 0)
+            same(buf, data)
+        plans = COMM.allgather(t._native.path_plan())
+        assert all(p == plans[0] for p in plans), plans
+        assert plans[0][3] >= 150
     finally:
         t.close()
 
