@@ -543,9 +543,10 @@ def _tuned_transport(**kwargs) -> ShmTransport:
 def test_paths_chosen_by_measurement_stay_the_same_on_every_rank():
     # Local rank 0 alone times the transfers and picks each size class's path; every
     # allreduce, allgather and broadcast from rank 0 carries its latest plan to all ranks.
-    # Mixed ops and sizes, ranks arriving apart, in and out of place, fused pieces, broadcasts from every root: every result is
-    # right (a rank on another path than its peers would hang or garble), every rank ends
-    # with the same plan, and rank 0 has timed both paths of the classes it ran.
+    # Mixed ops and sizes, ranks arriving apart, in and out of place, fused pieces,
+    # broadcasts from every root: every result is right (a rank on another path than its
+    # peers would hang or garble), every rank ends with the same plan, and rank 0 has timed
+    # both paths of the classes it ran.
     t = _tuned_transport()
     try:
         assert set(t.tuned_paths) == {"broadcast", "allgather", "allreduce"}
