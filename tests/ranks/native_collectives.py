@@ -616,14 +616,14 @@ def test_a_much_slower_path_is_left_for_the_faster_one(monkeypatch):
         t.close()
 
 
-def test_broadcasts_from_rank_0_alone_carry_the_plan(monkeypatch):
+def test_broadcasts_from_rank_0_alone_carry_the_plan():
     # A program of broadcasts alone is tuned too: in a broadcast from rank 0 every reader
-    # waits for rank 0's posts, so it carries rank 0's plan as an allreduce does. The
-    # much slower path is left; broadcasts from other roots in between carry none, and
-    # every rank ends with the same plan.
-    monkeypatch.setenv("NBDIST_SHM_SPIN", "0")
-    monkeypatch.setenv("NBDIST_SHM_YIELDS", "0")
-    t = _tuned_transport(slot_bytes=4096)
+    # waits for rank 0's posts, so it carries rank 0's plan as an allreduce does. Starting
+    # on the slots, the tuner's try of single copy reaches every rank through those
+    # broadcasts alone (rank 0 has timed both paths; which one wins is the machine's
+    # business: at 4 ranks on 2 cores either can); broadcasts from other roots in between
+    # carry none, and every rank ends with the same plan.
+    t = _tuned_transport()
     try:
         t.set_single_copy((64 << 20,) + t.single_copy_bytes[1:], t.tuned_paths)  # start on the slots
         carried = t._native.path_plan()[3]
@@ -635,8 +635,10 @@ def test_broadcasts_from_rank_0_alone_carry_the_plan(monkeypatch):
             same(buf, np.full(1 << 20, root + i, np.float32))
         plans = COMM.allgather(t._native.path_plan())
         assert all(p == plans[0] for p in plans), plans
-        assert plans[0][0] >> 22 & 1, f"4 MiB broadcasts still go through the slots: {plans[0]}"
         assert plans[0][3] - carried == roots.count(0)
+        if RANK == 0:
+            row = [r for r in t._native.path_timings() if r[:2] == ("broadcast", 4 << 20)][0]
+            assert row[3] > 0 and row[4] > 0, f"4 MiB broadcasts did not take both paths: {row}"
     finally:
         t.close()
 
