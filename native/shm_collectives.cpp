@@ -629,8 +629,7 @@ void ShmComm::reduce_chunked(const std::vector<Piece>& pieces, int dtype, int op
   }
 }
 
-// The root copies chunks into a whole slot set (n slots, contiguous); the others
-// copy them out. With several sets the root runs ahead by up to nsets-1 chunks.
+// Single copy or the slots, by size and the plan in force; from rank 0 it carries a plan.
 void ShmComm::broadcast(void* buf_, size_t bytes, int root, WaitContext& ctx, const void* src_) {
   if (root < 0 || root >= n_) throw std::invalid_argument("shm broadcast: root out of range");
   check_not_aborted(ctx);
@@ -643,14 +642,20 @@ void ShmComm::broadcast(void* buf_, size_t bytes, int root, WaitContext& ctx, co
   // From rank 0 every reader waits for rank 0's posts: the broadcast carries the plan.
   const bool carries = root == 0;
   if (carries) plan_publish();
+  const bool single = wants_cma_broadcast(bytes);
   const auto t0 = std::chrono::steady_clock::now();
-  if (wants_cma_broadcast(bytes)) {
+  if (single)
     broadcast_cma(buf, bytes, root, ctx, src);
-    plan_note(kPathBroadcast, bytes, true, t0);
-    if (carries) plan_adopt();
-    return;
-  }
-  // (the slots: the root's two copies run while the peers copy out anyway)
+  else
+    broadcast_slots(buf, bytes, root, ctx, src);
+  plan_note(kPathBroadcast, bytes, single, t0);
+  if (carries) plan_adopt();
+}
+
+// The root copies chunks into a whole slot set (n slots, contiguous); the others
+// copy them out. With several sets the root runs ahead by up to nsets-1 chunks.
+void ShmComm::broadcast_slots(char* buf, size_t bytes, int root, WaitContext& ctx, const char* src) {
+  // (the root's two copies run while the peers copy out anyway)
   if (src) copy_own(buf, src, bytes);
   const size_t cap = slot_bytes_ * n_;
   for (size_t off = 0; off < bytes; off += cap) {
@@ -670,8 +675,6 @@ void ShmComm::broadcast(void* buf_, size_t bytes, int root, WaitContext& ctx, co
       release_set(s, read);
     }
   }
-  plan_note(kPathBroadcast, bytes, false, t0);
-  if (carries) plan_adopt();
 }
 
 void ShmComm::allgatherv(const void* send_, void* recv_, const std::vector<int64_t>& byte_counts,

@@ -178,8 +178,8 @@ class ShmComm {
 
   // Path tuning (path_tuner.hpp), per kind, from the thresholds set before (set_cma_bytes,
   // set_cma_allreduce_bytes): local rank 0 times its transfers, and each allreduce,
-  // allgather and broadcast from rank 0 carries its latest plan to every rank (plan_publish). Off for a kind, its
-  // threshold alone decides. The same on every rank, with no op in flight; it starts the
+  // allgather and broadcast from rank 0 carries its latest plan to every rank
+  // (plan_publish). Off for a kind, its threshold alone decides. The same on every rank, with no op in flight; it starts the
   // tuning afresh.
   void set_path_tuning(bool broadcast, bool allgather, bool allreduce);
   // The plan in force, and how many ops (allreduces, allgathers, broadcasts from rank 0)
@@ -288,6 +288,8 @@ class ShmComm {
   void allgatherv_slots(const char* send, char* recv, const std::vector<int64_t>& byte_counts,
                         WaitContext& ctx);
   void broadcast_cma(char* buf, size_t bytes, int root, WaitContext& ctx, const char* src);
+  // The root copies chunks into a whole slot set; the others copy them out.
+  void broadcast_slots(char* buf, size_t bytes, int root, WaitContext& ctx, const char* src);
   void read_peer(int q, char* dst, uintptr_t src, size_t len, WaitContext& ctx);
   // Runs of rank q's memory, remote[i] into local[i] (equal lengths), in as few
   // process_vm_readv calls as the iovec limit allows.
@@ -349,7 +351,7 @@ class ShmComm {
   bool tuning_[kPathKinds] = {false, false, false};
   PathPlan initial_plan_{};  // from the thresholds
   PathPlan plan_{};          // in force (every rank)
-  uint64_t plans_carried_ = 0;  // allreduces and allgathers that carried a plan (every rank alike)
+  uint64_t plans_carried_ = 0;  // ops that carried a plan (every rank alike; plan_publish)
   PathTuner tuner_;          // local rank 0's
   bool vote_carries_ = true;
   std::atomic<uint64_t> doorbell_{0};  // ring() count (this process only)
